@@ -1,0 +1,134 @@
+"""The "odc" stage in a ds_config, and its options.
+
+User-facing form::
+
+    "zero_optimization": {"stage": "odc", "odc": {"timeout_s": 30}, ...other ZeRO-3 options...}
+
+Canonical form, what DeepSpeed, transformers and accelerate see after :func:`canonicalize`::
+
+    "zero_optimization": {"stage": 3, ...},  "odc": {"transport": "auto", "timeout_s": 30.0, ...}
+
+Every ``stage`` comparison in those libraries keeps working with the int 3, and DeepSpeed ignores
+unknown top-level keys, so the marker travels with the dict (including into checkpoints).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ds_odc.errors import ODCConfigError
+
+ODC_STAGE = "odc"
+MARKER_KEY = "odc"
+
+
+class ODCConfig(BaseModel):
+    """Options of the "odc" stage (``zero_optimization.odc`` in the ds_config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transport: Literal["auto", "shm"] = "auto"
+    """Where shards live. "auto" picks by device ("shm" for CPU tensors). "shm": shared-memory
+    windows, all ranks on one host. Default "auto"."""
+
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    """Longest wait on a peer (step rendezvous, accumulator lock) before raising an error that names
+    the peer. Default 60 s. Must be in (0, 86400]."""
+
+    shm_dir: str = "/dev/shm"
+    """tmpfs directory for the shm transport's segments (unlinked right after start-up).
+    Default "/dev/shm"; must be an existing directory."""
+
+    accumulator_stripe_numel: int = Field(1 << 20, ge=1024)
+    """Elements per lock stripe of a gradient accumulator: concurrent pushes into different stripes
+    of one owner proceed in parallel. Default 1048576 (4 MiB of fp32); at least 1024."""
+
+    loss_normalization: Literal["auto", "token"] = "auto"
+    """How accumulated gradients are normalised at the step (see README, "Normalisation").
+    "auto": follow DeepSpeed's rules (mean over the global micro-batches for ``engine.backward(loss)``
+    in managed mode; the caller's own scaling averaged over ranks otherwise), switching to per-token
+    for micro-batches that report ``loss_tokens``. "token": every backward must report its token
+    count; the summed loss gradient is divided by the global token count. Default "auto"."""
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _shm_dir_exists(cls, value: str) -> str:
+        if not os.path.isdir(value):
+            raise ValueError(f"directory {value!r} does not exist")
+        return value
+
+
+#: ZeRO options ODC cannot honour yet: (path in zero_optimization, predicate of "in use", why).
+_UNSUPPORTED_ZERO_OPTIONS = (
+    ("offload_param", lambda v: _offload_enabled(v), "parameter offload is not supported with the odc stage"),
+    ("offload_optimizer", lambda v: _offload_enabled(v), "optimizer offload is not supported with the odc stage"),
+    ("zero_hpz_partition_size", lambda v: v not in (None, 1), "hpZ secondary partitions are not supported"),
+    ("zero_quantized_weights", bool, "quantized weights are not supported"),
+    ("zero_quantized_nontrainable_weights", bool, "quantized weights are not supported"),
+    ("mics_shard_size", lambda v: v not in (None, -1, 0), "MiCS is not supported with the odc stage"),
+)
+
+
+def _offload_enabled(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("device", "none") not in ("none", None)
+
+
+def _check_compatibility(ds_config: dict) -> None:
+    """The one place for cross-field checks of an "odc" ds_config."""
+    zero = ds_config["zero_optimization"]
+    for key, in_use, why in _UNSUPPORTED_ZERO_OPTIONS:
+        if key in zero and zero[key] != "auto" and in_use(zero[key]):
+            raise ODCConfigError(f"zero_optimization.{key}={zero[key]!r}: {why}; remove it or use stage 3")
+    fp16 = ds_config.get("fp16", {})
+    if isinstance(fp16, dict) and fp16.get("enabled") not in (False, None, "auto"):
+        raise ODCConfigError("fp16.enabled=true: the odc stage supports fp32 and bf16 only; use bf16")
+
+
+def parse_options(options: Optional[dict]) -> ODCConfig:
+    """Validate ODC options; raise ODCConfigError naming the field on any bad key or value."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ODCConfigError(f"zero_optimization.odc must be a dict of options, got {type(options).__name__}")
+    try:
+        return ODCConfig(**{k: v for k, v in options.items() if k != "enabled"})
+    except ValidationError as err:
+        problems = "; ".join(
+            f"zero_optimization.odc.{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+            for e in err.errors())
+        raise ODCConfigError(problems) from None
+
+
+def is_odc_config(ds_config: Any) -> bool:
+    """True for a dict that asks for the odc stage, in user-facing or canonical form."""
+    if not isinstance(ds_config, dict):
+        return False
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return stage == ODC_STAGE or (MARKER_KEY in ds_config and stage in (3, "3"))
+
+
+def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
+    """Rewrite an "odc" ds_config *in place* to the canonical form and return its options.
+
+    In place, because transformers and accelerate hold the same dict object and read the stage
+    from it later. Idempotent. Returns None (and leaves the dict alone) for any other config.
+
+    >>> cfg = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}}
+    >>> canonicalize(cfg).timeout_s, cfg["zero_optimization"]["stage"], cfg["odc"]["timeout_s"]
+    (5.0, 3, 5.0)
+    """
+    if not is_odc_config(ds_config):
+        return None
+    zero = ds_config["zero_optimization"]
+    if zero.get("stage") == ODC_STAGE:
+        options = parse_options(zero.get(MARKER_KEY))
+        zero.pop(MARKER_KEY, None)
+        zero["stage"] = 3
+    else:
+        options = parse_options(ds_config.get(MARKER_KEY))
+    _check_compatibility(ds_config)
+    ds_config[MARKER_KEY] = options.model_dump()
+    return options

@@ -1,0 +1,94 @@
+"""``ODCEngine``: a ``DeepSpeedEngine`` whose ZeRO-3 runs on one-sided pulls and pushes.
+
+Returned by ``deepspeed.initialize`` for a config with ``"stage": "odc"``. Internally the stage is 3
+(``engine.zero_optimization_stage() == 3``), so every ZeRO-3 path keeps working. What the engine
+adds is the bookkeeping that lets ranks run *different* numbers of micro-batches per step:
+
+* every backward records one micro-batch and the normalisation rule it asks for (see
+  :mod:`ds_odc.runtime.ledger`); ``engine.backward(loss, loss_tokens=n)`` or
+  ``engine.set_loss_tokens(n)`` selects per-token normalisation;
+* the optimizer step divides the globally summed gradient once, by the global count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ds_odc.errors import ODCConfigError
+from ds_odc.integration.engine_hooks import ODCEngineHooks
+from ds_odc.runtime import Normalisation, Phase, StepTotals
+
+
+@dataclass(frozen=True)
+class _BackwardRule:
+    rule: Normalisation
+    tokens: int = 0
+
+    @property
+    def divides_at_step(self) -> bool:
+        """True when DeepSpeed's per-micro-batch division by GAS must be skipped."""
+        return self.rule is not Normalisation.CALLER
+
+
+class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
+    """See the module docstring. Build it with ``deepspeed.initialize``, not directly."""
+
+    _odc_pending_tokens: Optional[int] = None
+
+    # -- normalisation bookkeeping -----------------------------------------------------------------
+    def set_loss_tokens(self, loss_tokens: int) -> None:
+        """Declare the number of loss tokens of the next backward's micro-batch (per-token
+        normalisation; the loss passed to backward must then be the *sum* over those tokens)."""
+        if int(loss_tokens) != loss_tokens or loss_tokens < 0:
+            raise ValueError(f"loss_tokens must be a non-negative integer, got {loss_tokens!r}")
+        self._odc_pending_tokens = int(loss_tokens)
+
+    def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> _BackwardRule:
+        tokens = self._odc_pending_tokens
+        if not peek:
+            self._odc_pending_tokens = None
+        if tokens is not None:
+            return _BackwardRule(Normalisation.TOKEN, tokens)
+        if self.odc_options.loss_normalization == "token":
+            raise ODCConfigError("zero_optimization.odc.loss_normalization='token': this backward has no token "
+                                 "count; call engine.backward(loss, loss_tokens=n) or engine.set_loss_tokens(n)")
+        if self.managed_gradient_accumulation() and scale_wrt_gas:
+            return _BackwardRule(Normalisation.MEAN)
+        return _BackwardRule(Normalisation.CALLER)
+
+    def _odc_record_backward(self, scale_wrt_gas: bool) -> None:
+        decided = self._odc_rule_for_backward(scale_wrt_gas)
+        self._odc_ledger.record(decided.rule, decided.tokens)
+
+    # -- public API ------------------------------------------------------------------------------
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
+        """``DeepSpeedEngine.backward`` plus an optional ``loss_tokens`` (per-token normalisation).
+
+        Returns what DeepSpeed returns: the loss as scaled for accumulation."""
+        if loss_tokens is not None:
+            self.set_loss_tokens(loss_tokens)
+        decided = self._odc_rule_for_backward(scale_wrt_gas, peek=True)
+        result = super().backward(loss, retain_graph=retain_graph,
+                                  scale_wrt_gas=scale_wrt_gas and not decided.divides_at_step)
+        self._odc_record_backward(scale_wrt_gas)
+        if decided.rule is Normalisation.MEAN:
+            return result / self.gradient_accumulation_steps()
+        return result
+
+    def load_checkpoint(self, *args, **kwargs):
+        result = super().load_checkpoint(*args, **kwargs)
+        if hasattr(self.optimizer, "odc_republish"):
+            self.optimizer.odc_republish()
+        return result
+
+    @property
+    def odc_phase(self) -> Phase:
+        """IDLE, ACCUMULATING (gradients pushed since the last step) or STEP."""
+        return self.optimizer.odc.phase
+
+    @property
+    def odc_last_step(self) -> Optional[StepTotals]:
+        """Global micro-batch and token counts of the last optimizer step."""
+        return self.optimizer.odc.last_totals

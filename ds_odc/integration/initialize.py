@@ -1,0 +1,101 @@
+"""Registration of the "odc" stage: ``deepspeed.initialize`` and ZeRO config parsing.
+
+Two patches, both idempotent and undone by :func:`unregister`:
+
+* ``deepspeed.initialize``: canonicalise an "odc" config (dict, JSON path, or
+  ``args.deepspeed_config``) in place and build an :class:`~ds_odc.engine.ODCEngine`, by letting
+  the original function run while its module-global ``DeepSpeedEngine`` names ours;
+* ``deepspeed.runtime.config.get_zero_config``: a safety net so that any other reader of a raw
+  "odc" dict (``deepspeed.zero.Init(config_dict_or_path=...)``) sees stage 3 instead of a
+  validation error. It works on a copy, so the caller's dict keeps its "odc" identity.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+
+import deepspeed
+import deepspeed.runtime.config as ds_runtime_config
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+from ds_odc.config import canonicalize, is_odc_config
+
+_originals: dict = {}
+
+
+def _resolve_config(bound: inspect.BoundArguments):
+    """Find the config ``deepspeed.initialize`` would use; return (dict or None, came_from_args)."""
+    config = bound.arguments.get("config")
+    if config is None:
+        config = bound.arguments.get("config_params")
+    args = bound.arguments.get("args")
+    from_args = config is None and getattr(args, "deepspeed_config", None) is not None
+    if from_args:
+        config = args.deepspeed_config
+    if config is not None and not isinstance(config, dict):
+        config = load_ds_config(config)
+    return config, from_args
+
+
+@contextlib.contextmanager
+def _engine_class(engine_class):
+    original = deepspeed.DeepSpeedEngine
+    deepspeed.DeepSpeedEngine = engine_class
+    try:
+        yield
+    finally:
+        deepspeed.DeepSpeedEngine = original
+
+
+@contextlib.contextmanager
+def _without_args_config(args, active: bool):
+    if not active:
+        yield
+        return
+    saved = args.deepspeed_config
+    args.deepspeed_config = None
+    try:
+        yield
+    finally:
+        args.deepspeed_config = saved
+
+
+def _odc_initialize(original, *args, **kwargs):
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    config, from_args = _resolve_config(bound)
+    if canonicalize(config) is None:
+        return original(*args, **kwargs)
+    from ds_odc.engine import ODCEngine
+
+    bound.arguments["config"] = config
+    bound.arguments.pop("config_params", None)
+    with _without_args_config(bound.arguments.get("args"), from_args), _engine_class(ODCEngine):
+        return original(*bound.args, **bound.kwargs)
+
+
+def _odc_get_zero_config(original, param_dict):
+    if is_odc_config(param_dict):
+        param_dict = dict(param_dict)
+        param_dict["zero_optimization"] = copy.copy(param_dict["zero_optimization"])
+        canonicalize(param_dict)
+    return original(param_dict)
+
+
+def register() -> None:
+    """Install both patches (idempotent)."""
+    if _originals:
+        return
+    _originals["initialize"] = deepspeed.initialize
+    _originals["get_zero_config"] = ds_runtime_config.get_zero_config
+    deepspeed.initialize = functools.wraps(_originals["initialize"])(
+        functools.partial(_odc_initialize, _originals["initialize"]))
+    ds_runtime_config.get_zero_config = functools.partial(_odc_get_zero_config, _originals["get_zero_config"])
+
+
+def unregister() -> None:
+    if not _originals:
+        return
+    deepspeed.initialize = _originals.pop("initialize")
+    ds_runtime_config.get_zero_config = _originals.pop("get_zero_config")

@@ -1,0 +1,168 @@
+"""``ODCStage3Optimizer``: DeepSpeed's ZeRO-3 optimizer with its communication replaced.
+
+Kept from ZeRO-3: partitioning, module hooks, the coordinator, IPG bucketing, fp32 master weights,
+the optimizer update, ``state_dict`` / ``load_state_dict`` (so checkpoints keep the ZeRO-3 layout).
+Replaced, each by one override below:
+
+* ``_create_fp16_partitions_with_defragmentation``: the flat compute-dtype shard buffer is moved
+  into this rank's parameter window, so the optimizer writes updated shards straight into the
+  memory peers read (publishing costs no copy); frozen shards follow it in the window;
+* ``__reduce_and_partition_ipg_grads`` (the only path to the reduce-scatter): push each gradient
+  to its owners' fp32 accumulators; the accumulator *is* ``grad_partitions_flat_buffer``;
+* ``step``: fence, normalise, then ZeRO-3's step; then publish;
+* ``_get_norm_groups``: one exchange instead of an all-reduce per sub-group;
+* ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from ds_odc.comm import WindowSpec, create_transport
+from ds_odc.config import ODCConfig
+from ds_odc.errors import ODCConfigError
+from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks
+from ds_odc.runtime import MicroBatchLedger, ODCRuntime, WindowLayout
+
+
+class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+
+    def __init__(self, *args, odc_options: ODCConfig, odc_ledger: MicroBatchLedger, **kwargs):
+        self.odc_options = odc_options
+        self._odc_ledger = odc_ledger
+        self.odc: ODCRuntime | None = None
+        super().__init__(*args, **kwargs)
+        self._adopt_accumulator_as_grad_buffer()
+        install_pulls(self.odc, self._odc_all_params())
+        skip_trace_checks(self.parameter_offload.get_param_coordinator())
+
+    # -- construction ------------------------------------------------------------------------------
+    def _odc_all_params(self):
+        return [p for p in self.module.parameters() if hasattr(p, "ds_id")]
+
+    def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
+        super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
+        if self.offload_param:
+            raise ODCConfigError("zero_optimization.offload_param is not supported with the odc stage")
+        self._build_windows()
+
+    def _build_windows(self) -> None:
+        import deepspeed.comm as dist
+
+        world = dist.get_world_size(group=self.dp_process_group)
+        if world != dist.get_world_size():
+            raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
+                                 "(no model, tensor, pipeline or sequence parallelism yet)")
+        layout = WindowLayout()
+        for sub_group in self.fp16_groups:
+            for param in sub_group:
+                layout.add_trainable(param.ds_id, param.ds_numel, param.partition_numel())
+        frozen = sorted((p for p in self._odc_all_params() if not p.requires_grad), key=lambda p: p.ds_id)
+        for param in frozen:
+            layout.add_frozen(param.ds_id, param.ds_numel, param.ds_tensor.numel())
+        if layout.trainable_numel != self.lp_param_buffer.numel():
+            raise RuntimeError("ZeRO-3 flat shard buffer does not match the ODC window layout")
+        compute_dtype = self.lp_param_buffer.dtype
+        if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
+            raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
+
+        transport = create_transport(self.odc_options.transport, rank=dist.get_rank(group=self.dp_process_group),
+                                     world_size=world, timeout_s=self.odc_options.timeout_s,
+                                     device=self.lp_param_buffer.device.type, shm_dir=self.odc_options.shm_dir,
+                                     stripe_numel=self.odc_options.accumulator_stripe_numel)
+        transport.allocate(WindowSpec(layout.param_numel, compute_dtype, layout.grad_numel,
+                                      ODCRuntime.exchange_width(len(self.fp16_groups))))
+        self.odc = ODCRuntime(transport, layout, self._odc_ledger)
+
+        window = transport.local_param_window()
+        trainable = window.narrow(0, 0, layout.trainable_numel)
+        trainable.copy_(self.lp_param_buffer)
+        self.lp_param_buffer = trainable
+        self.fp16_partitioned_groups_flat = []
+        self._set_fp16_partitioned_groups_flat()
+        for sub_group_id in range(len(self.fp16_groups)):
+            self._unflatten_partitioned_parameters(sub_group_id)
+        for param in frozen:
+            slot = layout.slots[param.ds_id]
+            view = window.narrow(0, slot.param_offset, slot.shard_numel)
+            view.copy_(param.ds_tensor.data.reshape(-1))
+            param.ds_tensor.data = view
+
+    def _adopt_accumulator_as_grad_buffer(self) -> None:
+        """Let the fp32 accumulator window stand in for ZeRO-3's gradient partition buffer."""
+        accumulator = self.odc.transport.local_grad_accumulator()
+        self.grad_partitions_flat_buffer = accumulator
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        for key, slot in self.odc.layout.slots.items():
+            if slot.grad_offset is not None:
+                views[key] = accumulator.narrow(0, slot.grad_offset, slot.shard_numel)
+
+    # -- backward: push instead of reduce-scatter -------------------------------------------------
+    @torch.no_grad()
+    def _odc_push_bucket(self, communication_data_type: torch.dtype) -> None:
+        bucket = self.ipg_buckets[communication_data_type]
+        for param in bucket.params:
+            self.odc.push(param.ds_id, param.grad.reshape(-1))
+            param.grad = None
+        bucket.params.clear()
+        bucket.elements = 0
+        bucket.process_group = None
+
+    _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = _odc_push_bucket
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, closure=None):
+        totals = self.odc.fence()
+        self.odc.normalise(totals.gradient_divisor(self.odc.world_size))
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        for sub_group_id, sub_group in enumerate(self.fp16_groups):
+            self.averaged_gradients[sub_group_id] = [
+                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group
+            ]
+        try:
+            super().step(closure)
+        finally:
+            self.odc.publish()
+        self._pull_released_persistent_params()
+
+    def _get_norm_groups(self):
+        """Squared shard norms of every sub-group, summed over ranks in one exchange (ZeRO-3 does
+        one all-reduce per sub-group), computed the way ZeRO-3's ``get_grad_norm_direct`` does."""
+        squares = []
+        for sub_group_id in range(len(self.fp16_groups)):
+            norms = [g.float().norm(2) for g in self.averaged_gradients[sub_group_id]]
+            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros(()))
+        totals = self.odc.global_sum(squares, "the gradient-norm exchange").to(torch.float32)
+        norm_groups = []
+        for total in totals:
+            norm = total**0.5
+            norm_groups.append(torch.where(norm.isinf() | norm.isnan(), torch.tensor(-1.0), norm))
+        return norm_groups
+
+    def _post_step(self, timer_names):
+        persistent, self.persistent_parameters = self.persistent_parameters, []
+        try:
+            super()._post_step(timer_names)
+        finally:
+            self.persistent_parameters = persistent
+
+    def _pull_released_persistent_params(self) -> None:
+        released = [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if released:
+            released[0].all_gather(param_list=released)
+
+    # -- checkpoints and teardown ------------------------------------------------------------------
+    def odc_republish(self) -> None:
+        """After a checkpoint load rewrote the shards: drop stale full copies, let every owner
+        finish writing, then refresh persistent parameters. Called by ``ODCEngine.load_checkpoint``."""
+        self._partition_all_parameters()
+        self.odc.publish()
+        self._pull_released_persistent_params()
+
+    def destroy(self):
+        try:
+            super().destroy()
+        finally:
+            if self.odc is not None:
+                self.odc.close()

@@ -1,0 +1,110 @@
+"""ZeRO-3 parameter gathers become one-sided pulls.
+
+ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
+
+* each parameter's ``all_gather_coalesced`` / ``all_gather`` closures, the only ways the coordinator,
+  ``GatheredParameters`` and the step's persistent-parameter refresh gather, are replaced by pulls
+  from the owners' windows;
+* the coordinator's trace-consistency check (``assert_ints_same_as_other_ranks`` in
+  ``reset_step``, broadcasts at the start of forwards) is skipped for ODC coordinators only: with
+  ODC each rank keeps its own trace, and ranks may legitimately run different modules.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+from deepspeed.runtime.zero import partitioned_param_coordinator as _ppc
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+_trace_check_skip = threading.local()
+
+
+class PullHandle:
+    """What the coordinator waits on. CPU pulls complete eagerly, so ``wait`` only flips status."""
+
+    def __init__(self, params):
+        self._params = params
+        self._done = False
+
+    def wait(self, **kwargs) -> None:
+        if self._done:
+            return
+        for param in self._params:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        self._done = True
+
+
+def _pull_params(runtime, params) -> None:
+    for param in params:
+        full = torch.empty(param.ds_numel, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+        runtime.pull(param.ds_id, full)
+        param.data = full.view(param.ds_shape)
+
+
+def _pull_coalesced(runtime, params, safe_mode: bool = False, quantize: bool = False) -> PullHandle:
+    params = list(params)
+    for param in params:
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"cannot pull a parameter that is not released: {param.ds_summary()}")
+        param.ds_status = ZeroParamStatus.INFLIGHT
+    _pull_params(runtime, params)
+    return PullHandle(params)
+
+
+def _make_pull_all_gather(runtime, owner_param):
+
+    def all_gather(param_list=None, async_op=False, hierarchy=0):
+        params = [owner_param] if param_list is None else list(param_list)
+        missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if async_op:
+            return [_pull_coalesced(runtime, missing)] if missing else []
+        _pull_params(runtime, missing)
+        for param in missing:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        return None
+
+    return all_gather
+
+
+def install_pulls(runtime, params) -> None:
+    """Make every gather of ``params`` a pull through ``runtime``."""
+    pull_coalesced = functools.partial(_pull_coalesced, runtime)
+    for param in params:
+        param.all_gather_coalesced = pull_coalesced
+        param.all_gather = _make_pull_all_gather(runtime, param)
+
+
+@contextlib.contextmanager
+def _skipping_trace_checks():
+    depth = getattr(_trace_check_skip, "depth", 0)
+    _trace_check_skip.depth = depth + 1
+    try:
+        yield
+    finally:
+        _trace_check_skip.depth = depth
+
+
+_original_assert_ints_same = _ppc.assert_ints_same_as_other_ranks
+
+
+def _gated_assert_ints_same(ints):
+    if getattr(_trace_check_skip, "depth", 0):
+        return None
+    return _original_assert_ints_same(ints)
+
+
+def skip_trace_checks(coordinator) -> None:
+    """Turn off the cross-rank trace check for this coordinator (and no other)."""
+    if _ppc.assert_ints_same_as_other_ranks is not _gated_assert_ints_same:
+        _ppc.assert_ints_same_as_other_ranks = _gated_assert_ints_same
+    reset_step = coordinator.reset_step
+
+    @functools.wraps(reset_step)
+    def reset_step_without_trace_check(*args, **kwargs):
+        with _skipping_trace_checks():
+            return reset_step(*args, **kwargs)
+
+    coordinator.reset_step = reset_step_without_trace_check

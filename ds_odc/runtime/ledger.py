@@ -1,0 +1,97 @@
+"""Micro-batch bookkeeping and the normalisation rule applied at the step.
+
+Every backward on a rank records one micro-batch with the rule its caller asked for:
+
+* ``MEAN``   ``engine.backward(loss)`` in managed mode (DeepSpeed would divide each loss by
+             ``gradient_accumulation_steps``): the summed gradient is divided by the *global*
+             number of micro-batches, i.e. the mean over all micro-batches of all ranks;
+* ``CALLER`` the caller owns the scaling (``scale_wrt_gas=False``, unmanaged accumulation): the
+             summed gradient is divided by the world size, exactly as ZeRO-3's reduce-scatter does;
+* ``TOKEN``  the micro-batch reported ``loss_tokens`` and its loss is a *sum* over those tokens:
+             the summed gradient is divided by the global token count.
+
+With equal counts on every rank, MEAN reproduces ZeRO-3's ``1 / (world * gas)``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ds_odc.errors import ODCPeerError
+
+
+class Normalisation(enum.IntEnum):
+    MEAN = 0
+    CALLER = 1
+    TOKEN = 2
+
+
+#: Layout of a rank's contribution to the fence: micro-batches per rule, then loss tokens.
+FENCE_WIDTH = len(Normalisation) + 1
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What the fence learned: global micro-batch counts per rule and the global token count."""
+
+    micro_batches: tuple  # per Normalisation
+    tokens: int
+    per_rank_micro_batches: tuple  # all rules together, one entry per rank
+
+    @property
+    def total_micro_batches(self) -> int:
+        return sum(self.micro_batches)
+
+    def rule(self) -> Normalisation | None:
+        used = [rule for rule in Normalisation if self.micro_batches[rule]]
+        if len(used) > 1:
+            raise ODCPeerError(
+                "micro-batches of one optimizer step used different normalisation rules "
+                f"({', '.join(r.name for r in used)}): mix of engine.backward(loss) and scale_wrt_gas=False "
+                "or loss_tokens across ranks or micro-batches. Use one rule for every micro-batch of a step.")
+        return used[0] if used else None
+
+    def gradient_divisor(self, world_size: int) -> float:
+        """The number the summed gradient is divided by (see the module docstring)."""
+        rule = self.rule()
+        if rule is None:
+            return 1.0  # no micro-batch anywhere: gradients are all zero
+        if rule is Normalisation.MEAN:
+            return float(self.micro_batches[Normalisation.MEAN])
+        if rule is Normalisation.CALLER:
+            return float(world_size)
+        return float(max(self.tokens, 1))  # zero tokens everywhere: gradients are all zero
+
+
+class MicroBatchLedger:
+    """This rank's micro-batches since the last step."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = [0] * len(Normalisation)
+        self.tokens = 0
+
+    def record(self, rule: Normalisation, tokens: int = 0) -> None:
+        if tokens < 0:
+            raise ValueError(f"loss_tokens must be >= 0, got {tokens}")
+        self.counts[rule] += 1
+        self.tokens += tokens
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(self.counts)
+
+    def fence_vector(self) -> torch.Tensor:
+        return torch.tensor(self.counts + [self.tokens], dtype=torch.float64)
+
+    @staticmethod
+    def totals(rows: torch.Tensor) -> StepTotals:
+        """Combine every rank's :meth:`fence_vector` (rows of the rendezvous result)."""
+        summed = rows.sum(0)
+        counts = tuple(int(round(x)) for x in summed[:len(Normalisation)].tolist())
+        per_rank = tuple(int(round(x)) for x in rows[:, :len(Normalisation)].sum(1).tolist())
+        return StepTotals(counts, int(round(summed[len(Normalisation)].item())), per_rank)

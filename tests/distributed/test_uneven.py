@@ -1,0 +1,36 @@
+"""Ranks with different amounts of work: ODC equals the single-process reference; ZeRO-3 hangs."""
+import pytest
+
+from tests.distributed.compare import worst_rel_diff
+from tests.distributed.harness import run_ranks
+from tests.distributed.workloads import reference_training, train_uneven
+
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("mode", ["unmanaged", "managed"])
+def test_uneven_micro_batch_counts_equal_single_process(mode):
+    counts = (1, 3)
+    results = run_ranks(train_uneven, 2, "odc", mode, counts)
+    expected = reference_training(mode, counts)
+    for rank, result in enumerate(results):
+        diff = worst_rel_diff(result["params"], expected)
+        assert diff <= TOL, f"rank {rank}: params differ from the single-process reference by {diff:.2e}"
+        assert result["phase"] == "idle"
+        assert result["global_samples"] == 3 * sum(counts) * 4  # 3 steps, micro-batches of 4 samples
+
+
+def test_per_token_normalisation_with_unequal_and_zero_tokens():
+    counts = (2, 3)
+    masked = ((0, 0), (0, 1))  # rank 0 carries no loss token at all
+    results = run_ranks(train_uneven, 2, "odc", "token", counts, 3, masked)
+    expected = reference_training("token", counts, masked=masked)
+    for rank, result in enumerate(results):
+        diff = worst_rel_diff(result["params"], expected)
+        assert diff <= TOL, f"rank {rank}: params differ from the single-process reference by {diff:.2e}"
+
+
+def test_zero3_hangs_where_odc_does_not():
+    """The same uneven script under ZeRO-3: ranks block in mismatched collectives."""
+    report = run_ranks(train_uneven, 2, 3, "unmanaged", (1, 3), timeout=45, report=True)
+    assert report.hung_ranks, f"ZeRO-3 was expected to hang on uneven micro-batch counts: {report.outcomes}"

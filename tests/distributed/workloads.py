@@ -1,0 +1,291 @@
+"""What the ranks run in the distributed tests: a small model, deterministic data, probes.
+
+Everything here runs inside spawned ranks (see harness.py) except :func:`reference_training`,
+the single-process reference the parent computes.
+"""
+from __future__ import annotations
+
+import time
+
+import deepspeed
+import torch
+import torch.distributed as tdist
+from deepspeed.utils import safe_get_full_fp32_param
+
+IN, OUT = 5, 3
+
+
+class Net(torch.nn.Module):
+    """Odd element counts (shards get padding), an optional frozen layer, ``layers`` hidden blocks."""
+
+    def __init__(self, layers: int = 2, hidden: int = 7, frozen: bool = True):
+        super().__init__()
+        self.inp = torch.nn.Linear(IN, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.frozen = torch.nn.Linear(hidden, hidden) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.out = torch.nn.Linear(hidden, OUT, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        if self.frozen is not None:
+            h = h + torch.tanh(self.frozen(h))
+        return self.out(h)
+
+
+def make_model(seed: int = 1234, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def micro_batch(step: int, rank: int, index: int, size: int = 4, masked_out: bool = False):
+    """Deterministic (x, y, mask) for micro-batch ``index`` of ``rank`` at ``step``."""
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * rank + index + 1)
+    x = torch.randn(size, IN, generator=gen)
+    y = torch.randn(size, OUT, generator=gen)
+    mask = (torch.rand(size, generator=gen) > 0.3).float()
+    if masked_out:
+        mask.zero_()
+    return x, y, mask
+
+
+def mse_mean(pred, y):
+    return ((pred.float() - y) ** 2).mean()
+
+
+def mse_token_sum(pred, y, mask):
+    return (((pred.float() - y) ** 2).sum(-1) * mask).sum()
+
+
+def ds_config(stage, *, gas=1, micro=4, optimizer="adam", bf16=False, clip=1.0, managed=True, lr=1e-2, **zero):
+    opt = {"adam": {"type": "Adam", "params": {"lr": lr, "torch_adam": True, "weight_decay": 0.0}},
+           "sgd": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}}}[optimizer]
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "optimizer": opt,
+           "gradient_clipping": clip, "steps_per_print": 10_000, "wall_clock_breakdown": False,
+           "zero_optimization": {"stage": stage, **zero}, "zero_allow_untested_optimizer": True}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if not managed:
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
+
+
+# -- probes ------------------------------------------------------------------------------------------
+class GradProbe:
+    """Captures each rank's normalised, pre-clip fp32 gradient shards inside the optimizer step, the
+    same way for ZeRO-3 and ODC, and assembles full gradients."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.shards = {}
+        optimizer = engine.optimizer
+        original = optimizer.unscale_and_clip_grads
+
+        def capture(sub_group_id, total_norm):
+            self.shards[sub_group_id] = optimizer.fp32_partitioned_groups_flat[sub_group_id].grad.detach().clone()
+            return original(sub_group_id, total_norm)
+
+        optimizer.unscale_and_clip_grads = capture
+
+    def full_grads(self):
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        world = tdist.get_world_size()
+        grads = {}
+        for sub_group_id, group in enumerate(self.engine.optimizer.fp16_groups):
+            shard = self.shards[sub_group_id]
+            gathered = [torch.empty_like(shard) for _ in range(world)]
+            tdist.all_gather(gathered, shard)
+            offset = 0
+            for param in group:
+                pn = param.partition_numel()
+                grads[names[id(param)]] = torch.cat([g[offset:offset + pn] for g in gathered])[:param.ds_numel]
+                offset += pn
+        self.shards = {}
+        return grads
+
+
+def full_params(engine):
+    """Full fp32 master weights of trainable params and gathered frozen ones, by name."""
+    out = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            out[name] = safe_get_full_fp32_param(param).detach().clone().reshape(param.ds_shape)
+        else:
+            with deepspeed.zero.GatheredParameters([param]):
+                out[name] = param.detach().float().clone()
+    return out
+
+
+# -- workloads -----------------------------------------------------------------------------------
+def train_equal(stage, steps=10, gas=1, model_kw=None, **cfg_kw):
+    """Managed accumulation, equal micro-batches everywhere. Returns per-step losses of this rank;
+    rank 0 also returns full grads and params of every step."""
+    engine, *_ = deepspeed.initialize(model=make_model(**(model_kw or {})), config=ds_config(stage, gas=gas, **cfg_kw))
+    probe = GradProbe(engine)
+    rank = tdist.get_rank()
+    record = {"engine": type(engine).__name__, "losses": [], "grads": [], "params": []}
+    for step in range(steps):
+        for index in range(gas):
+            x, y, _ = micro_batch(step, rank, index)
+            loss = mse_mean(engine(x.to(engine.module.inp.weight.dtype)), y)
+            engine.backward(loss)
+            engine.step()
+            record["losses"].append(loss.item())
+        grads, params = probe.full_grads(), full_params(engine)
+        if rank == 0:
+            record["grads"].append(grads)
+            record["params"].append(params)
+    engine.destroy()
+    return record
+
+
+def train_pair(configs, steps=10, gas=1, model_kw=None):
+    """Run several (stage, cfg_kw) configurations one after the other in the same ranks."""
+    return [train_equal(stage, steps=steps, gas=gas, model_kw=model_kw, **kw) for stage, kw in configs]
+
+
+def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None):
+    """Ranks run ``counts[rank]`` micro-batches per step.
+
+    mode "unmanaged": ``managed_gradient_accumulation: false``, ``engine.backward(loss)``;
+    mode "managed": each rank sets the boundary on its own last micro-batch (accelerate's pattern);
+    mode "token": unmanaged, per-token loss sums with ``loss_tokens``; ``masked`` lists (rank, index) whose
+    micro-batch carries zero loss tokens."""
+    rank = tdist.get_rank()
+    managed = mode == "managed"
+    zero = {"odc": {"timeout_s": timeout_s}} if (timeout_s and stage == "odc") else {}
+    cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, **zero)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    for step in range(steps):
+        n = counts[rank]
+        for index in range(n):
+            x, y, mask = micro_batch(step, rank, index, masked_out=(rank, index) in masked)
+            if mode == "managed":
+                engine.set_gradient_accumulation_boundary(index == n - 1)
+            pred = engine(x)
+            if mode == "token":
+                engine.backward(mse_token_sum(pred, y, mask), loss_tokens=int(mask.sum().item()))
+            else:
+                engine.backward(mse_mean(pred, y))
+            if mode == "managed":
+                engine.step()
+        if mode != "managed":
+            engine.step()
+    params = full_params(engine)
+    result = {"params": params, "global_samples": engine.global_samples,
+              "phase": getattr(engine, "odc_phase", None)}
+    result["phase"] = result["phase"].value if result["phase"] is not None else None
+    engine.destroy()
+    return result
+
+
+def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
+    """Single process, plain PyTorch: the update each step is computed on the global batch of all
+    ranks' micro-batches with the rule of ``mode``."""
+    model = make_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    world = len(counts)
+    for step in range(steps):
+        optimizer.zero_grad()
+        batches = [(r, i) for r in range(world) for i in range(counts[r])]
+        total_tokens = 0
+        for r, i in batches:
+            x, y, mask = micro_batch(step, r, i, masked_out=(r, i) in masked)
+            pred = model(x)
+            if mode == "token":
+                mse_token_sum(pred, y, mask).backward()
+                total_tokens += int(mask.sum().item())
+            else:
+                mse_mean(pred, y).backward()
+        divisor = {"unmanaged": world, "managed": len(batches), "token": max(total_tokens, 1)}[mode]
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(divisor)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
+        scale = max(((norm + 1e-6) / clip).item(), 1.0)
+        for g in grads:
+            g.mul_(1.0 / scale)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# -- op counting -----------------------------------------------------------------------------------
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+               "broadcast", "barrier", "all_gather_object", "broadcast_object_list", "reduce", "gather",
+               "scatter", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv")
+
+
+class CollectiveCounter:
+    """Counts every torch.distributed collective (DeepSpeed's comm layer ends in these)."""
+
+    def __init__(self):
+        self.count = 0
+        for name in COLLECTIVES:
+            original = getattr(tdist, name, None)
+            if original is None:
+                continue
+
+            def counted(*args, __original=original, **kwargs):
+                self.count += 1
+                return __original(*args, **kwargs)
+
+            setattr(tdist, name, counted)
+
+    def take(self) -> int:
+        value, self.count = self.count, 0
+        return value
+
+
+def count_collectives(stage, layers, micro_batches, steps=3):
+    """Collectives issued in forward+backward and in each step, for one model size."""
+    counter = CollectiveCounter()
+    cfg = ds_config(stage, gas=micro_batches, stage3_param_persistence_threshold=0)
+    engine, *_ = deepspeed.initialize(model=make_model(layers=layers), config=cfg)
+    rank = tdist.get_rank()
+    counter.take()
+    fwd_bwd, per_step, exchanges = [], [], []
+    transport = getattr(getattr(engine.optimizer, "odc", None), "transport", None)
+    for step in range(steps):
+        inside = 0
+        before_exchanges = transport.exchanges if transport else 0
+        for index in range(micro_batches):
+            x, y, _ = micro_batch(step, rank, index)
+            loss = mse_mean(engine(x), y)
+            engine.backward(loss)
+            inside += counter.take()
+            if index < micro_batches - 1:
+                engine.step()  # not a boundary: no optimizer work
+                inside += counter.take()
+        engine.step()
+        per_step.append(counter.take())
+        fwd_bwd.append(inside)
+        exchanges.append((transport.exchanges - before_exchanges) if transport else None)
+    engine.destroy()
+    return {"fwd_bwd": fwd_bwd, "step": per_step, "exchanges": exchanges}
+
+
+# -- straggler --------------------------------------------------------------------------------------
+def straggler(stage, sleep_s=1.0, micro_batches=2, steps=2):
+    """Rank 1 sleeps inside each forward. Returns rank 0's time in forward+backward and in step."""
+    rank = tdist.get_rank()
+    cfg = ds_config(stage, gas=micro_batches)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    if rank == 1:
+        engine.module.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(sleep_s))
+    compute, stepping = 0.0, 0.0
+    for step in range(steps):
+        for index in range(micro_batches):
+            x, y, _ = micro_batch(step, rank, index)
+            start = time.perf_counter()
+            loss = mse_mean(engine(x), y)
+            engine.backward(loss)
+            compute += time.perf_counter() - start
+            start = time.perf_counter()
+            engine.step()
+            stepping += time.perf_counter() - start
+    engine.destroy()
+    return {"compute_s": compute, "step_s": stepping}
