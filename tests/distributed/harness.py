@@ -2,13 +2,15 @@
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises DeepSpeed's
 process group (gloo, CPU accelerator) in each, calls ``fn(*args)`` and returns the list of
-per-rank results. ``fn`` must be a module-level function (it is pickled by name).
+per-rank results. ``fn`` (and the optional ``setup``, run before the process group exists) must be module-level
+functions: they are pickled by name.
 
 * a rank that raises -> :class:`RankFailure` with every failing rank's traceback;
 * ranks that have not returned after ``timeout`` seconds -> they are killed (SIGKILL) and
   :class:`RankHang` names them;
 * ``report=True`` returns a :class:`RunReport` instead of raising, for tests that prove a
-  configuration hangs or that a rank dies.
+  configuration hangs or that a rank dies; ``wait_for`` lists the ranks whose results are needed
+  (the others are killed once those have reported).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def _tail(path: str, lines: int = 25) -> str:
         return ""
 
 
-def _rank_entry(fn, rank, world_size, port, results, args, env, log_path):
+def _rank_entry(fn, rank, world_size, port, results, args, env, log_path, setup):
     _redirect_output(log_path)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -86,6 +88,8 @@ def _rank_entry(fn, rank, world_size, port, results, args, env, log_path):
         torch.set_num_threads(1)
         import deepspeed
         import ds_odc  # noqa: F401  registers the "odc" stage
+        if setup is not None:
+            setup()
         deepspeed.init_distributed(dist_backend="gloo")
         value = fn(*args)
         results.put((rank, "ok", _encode(value)))
@@ -101,20 +105,21 @@ def _rank_entry(fn, rank, world_size, port, results, args, env, log_path):
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, report: bool = False,
-              env: Optional[dict] = None):
+              env: Optional[dict] = None, setup: Optional[Callable] = None, wait_for: Optional[List[int]] = None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix="ds_odc_test_logs_")
     logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(world_size)]
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, results, args, env, logs[r]),
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, results, args, env, logs[r], setup),
                          daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
     collected: dict = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(collected) < world_size and time.monotonic() < deadline:
+        needed = set(range(world_size) if wait_for is None else wait_for)
+        while not needed <= set(collected) and time.monotonic() < deadline:
             try:
                 rank, status, value = results.get(timeout=0.5)
                 collected[rank] = (status, value)

@@ -215,14 +215,19 @@ def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
 
 # -- op counting -----------------------------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-               "broadcast", "barrier", "all_gather_object", "broadcast_object_list", "reduce", "gather",
-               "scatter", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv")
+               "_all_gather_base", "_reduce_scatter_base", "all_reduce_coalesced", "all_gather_coalesced",
+               "broadcast", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "reduce",
+               "gather", "scatter", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv")
 
 
 class CollectiveCounter:
-    """Counts every torch.distributed collective (DeepSpeed's comm layer ends in these)."""
+    """Counts every torch.distributed collective (DeepSpeed's comm layer ends in these). Installed
+    by :func:`install_collective_counter` before the process group exists, so that references
+    DeepSpeed captures at initialisation are the counting ones too."""
 
     def __init__(self):
+        import torch.distributed.distributed_c10d as c10d
+
         self.count = 0
         for name in COLLECTIVES:
             original = getattr(tdist, name, None)
@@ -234,15 +239,25 @@ class CollectiveCounter:
                 return __original(*args, **kwargs)
 
             setattr(tdist, name, counted)
+            if getattr(c10d, name, None) is original:
+                setattr(c10d, name, counted)
 
     def take(self) -> int:
         value, self.count = self.count, 0
         return value
 
 
+_counter = None
+
+
+def install_collective_counter():
+    global _counter
+    _counter = CollectiveCounter()
+
+
 def count_collectives(stage, layers, micro_batches, steps=3):
     """Collectives issued in forward+backward and in each step, for one model size."""
-    counter = CollectiveCounter()
+    counter = _counter
     cfg = ds_config(stage, gas=micro_batches, stage3_param_persistence_threshold=0)
     engine, *_ = deepspeed.initialize(model=make_model(layers=layers), config=cfg)
     rank = tdist.get_rank()
@@ -289,3 +304,82 @@ def straggler(stage, sleep_s=1.0, micro_batches=2, steps=2):
             stepping += time.perf_counter() - start
     engine.destroy()
     return {"compute_s": compute, "step_s": stepping}
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def _train_steps(engine, first_step, steps):
+    rank = tdist.get_rank()
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y, _ = micro_batch(step, rank, 0)
+        loss = mse_mean(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def checkpoint_roundtrip(ckpt_dir, stage="odc"):
+    """Save after 3 steps, train 2 more; a fresh engine (other initial weights) loads the checkpoint
+    and trains the same 2 steps. Rank 0 also consolidates the checkpoint with zero_to_fp32."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    first, *_ = deepspeed.initialize(model=make_model(), config=ds_config(stage))
+    _train_steps(first, 0, 3)
+    first.save_checkpoint(ckpt_dir, tag="step3")
+    saved = full_params(first)
+    continued = _train_steps(first, 3, 2)
+    final = full_params(first)
+    first.destroy()
+
+    second, *_ = deepspeed.initialize(model=make_model(seed=999), config=ds_config(stage))
+    second.load_checkpoint(ckpt_dir, tag="step3")
+    loaded = full_params(second)
+    resumed = _train_steps(second, 3, 2)
+    resumed_final = full_params(second)
+    result = {"saved": saved, "loaded": loaded, "continued": continued, "resumed": resumed, "final": final,
+              "resumed_final": resumed_final, "engine": type(second).__name__}
+    second.destroy()
+    if tdist.get_rank() == 0:
+        result["zero_to_fp32"] = {k: v.float() for k, v in
+                                  get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="step3").items()}
+    tdist.barrier()
+    return result
+
+
+# -- failures -------------------------------------------------------------------------------------
+def peer_failure(how, timeout_s):
+    """Rank 1 dies (``how="killed"``) or stalls (``how="stalled"``) in the forward of step 1. Rank 0
+    reports the error it gets at the step and how long it waited."""
+    import os
+    import signal
+
+    cfg = ds_config("odc", odc={"timeout_s": timeout_s})
+    engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    rank = tdist.get_rank()
+    _train_steps(engine, 0, 1)
+    if rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+    x, y, _ = micro_batch(1, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    start = time.monotonic()
+    try:
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        return {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    return {"error": None}
+
+
+def bad_configs(cases):
+    """Try to initialize each (name, config) and return the error message (or None)."""
+    messages = {}
+    for name, cfg in cases:
+        try:
+            engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+            engine.destroy()
+            messages[name] = None
+        except Exception as err:  # noqa: BLE001
+            messages[name] = f"{type(err).__name__}: {err}"
+    return messages

@@ -1,0 +1,49 @@
+import copy
+
+import pytest
+
+from ds_odc.config import ODCConfig, canonicalize, is_odc_config, parse_options
+from ds_odc.errors import ODCConfigError
+
+
+def test_canonicalize_rewrites_in_place_and_is_idempotent():
+    cfg = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 7}, "reduce_bucket_size": 10}}
+    options = canonicalize(cfg)
+    assert options == ODCConfig(timeout_s=7)
+    assert cfg["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 10}
+    assert cfg["odc"]["timeout_s"] == 7.0
+    again = copy.deepcopy(cfg)
+    assert canonicalize(again) == options and again == cfg
+
+
+def test_other_stages_are_left_alone():
+    for cfg in ({"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}, {}, {"zero_optimization": True}):
+        before = copy.deepcopy(cfg)
+        assert canonicalize(cfg) is None and cfg == before and not is_odc_config(cfg)
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"timeout": 3}, "zero_optimization.odc.timeout"),
+    ({"timeout_s": 0}, "zero_optimization.odc.timeout_s"),
+    ({"transport": "nvlink"}, "zero_optimization.odc.transport"),
+    ({"loss_normalization": "sample"}, "zero_optimization.odc.loss_normalization"),
+    ({"accumulator_stripe_numel": 8}, "zero_optimization.odc.accumulator_stripe_numel"),
+    ({"shm_dir": "/nonexistent/dir"}, "zero_optimization.odc.shm_dir"),
+])
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ODCConfigError, match=field.replace(".", r"\.")):
+        parse_options(options)
+
+
+@pytest.mark.parametrize("zero,field", [
+    ({"offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+    ({"zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size"),
+    ({"mics_shard_size": 2}, "zero_optimization.mics_shard_size"),
+])
+def test_unsupported_zero_features_are_rejected(zero, field):
+    with pytest.raises(ODCConfigError, match=field):
+        canonicalize({"zero_optimization": {"stage": "odc", **zero}})
+
+
+def test_offload_device_none_is_fine():
+    assert canonicalize({"zero_optimization": {"stage": "odc", "offload_param": {"device": "none"}}}) is not None
