@@ -1,0 +1,19 @@
+# make demo : set up .venv if needed, then train the example causal LM on 2 CPU ranks with "stage": "odc"
+# make test : set up .venv if needed, then run the whole test suite
+export DS_ACCELERATOR := cpu
+export OMP_NUM_THREADS := 1
+STEPS ?= 100
+
+.PHONY: venv demo test schema
+
+venv:
+	@bash scripts/bootstrap.sh
+
+demo: venv
+	.venv/bin/torchrun --nproc_per_node 2 --master_port 29571 examples/train_causal_lm.py --steps $(STEPS)
+
+test: venv
+	.venv/bin/python -m pytest tests
+
+schema: venv
+	.venv/bin/python -m ds_odc.config_schema
