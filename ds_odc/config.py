@@ -34,8 +34,9 @@ class ODCConfig(BaseModel):
     windows, all ranks on one host. Default "auto"."""
 
     timeout_s: float = Field(60.0, gt=0, le=86400)
-    """Longest wait on a peer (step rendezvous, accumulator lock) before raising an error that names
-    the peer. Default 60 s. Must be in (0, 86400]."""
+    """How long a rank waits on a peer that makes no progress (no pull or push; or a stripe lock held)
+    before raising an error that names the peer. A peer still computing is waited for; a dead one is
+    reported at once. Default 60 s. Must be in (0, 86400]."""
 
     shm_dir: str = "/dev/shm"
     """tmpfs directory for the shm transport's segments (unlinked right after start-up).

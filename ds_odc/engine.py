@@ -7,7 +7,10 @@ adds is the bookkeeping that lets ranks run *different* numbers of micro-batches
 * every backward records one micro-batch and the normalisation rule it asks for (see
   :mod:`ds_odc.runtime.ledger`); ``engine.backward(loss, loss_tokens=n)`` or
   ``engine.set_loss_tokens(n)`` selects per-token normalisation;
-* the optimizer step divides the globally summed gradient once, by the global count.
+* the optimizer step divides the globally summed gradient once, by the global count (for the
+  mean rule, DeepSpeed's per-micro-batch ``1 / gradient_accumulation_steps`` is kept and the step
+  divides by ``global micro-batches / gradient_accumulation_steps``: the same mean, and with equal
+  counts the same arithmetic as ZeRO-3).
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ class _BackwardRule:
     tokens: int = 0
 
     @property
-    def divides_at_step(self) -> bool:
-        """True when DeepSpeed's per-micro-batch division by GAS must be skipped."""
-        return self.rule is not Normalisation.CALLER
+    def skips_gas_division(self) -> bool:
+        """Per-token micro-batches are not divided by ``gradient_accumulation_steps``; the others keep
+        DeepSpeed's division (MEAN corrects it at the step, CALLER is the caller's choice)."""
+        return self.rule is Normalisation.TOKEN
 
 
 class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
@@ -71,10 +75,8 @@ class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
             self.set_loss_tokens(loss_tokens)
         decided = self._odc_rule_for_backward(scale_wrt_gas, peek=True)
         result = super().backward(loss, retain_graph=retain_graph,
-                                  scale_wrt_gas=scale_wrt_gas and not decided.divides_at_step)
+                                  scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
         self._odc_record_backward(scale_wrt_gas)
-        if decided.rule is Normalisation.MEAN:
-            return result / self.gradient_accumulation_steps()
         return result
 
     def load_checkpoint(self, *args, **kwargs):

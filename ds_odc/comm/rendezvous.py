@@ -2,14 +2,17 @@
 
 Each rank owns a small float64 control block::
 
-    [pid, epoch_even, epoch_odd, 0, data_even[width], data_odd[width]]
+    [pid, epoch_even, epoch_odd, heartbeat, data_even[width], data_odd[width]]
 
 Round ``k`` writes its values into the data slot of parity ``k % 2``, then sets that parity's epoch
 to ``k``; it is complete once every rank's epoch of that parity reaches ``k``. Two slots suffice: a
 rank can only start round ``k + 2`` after every rank has *arrived* at ``k + 1``, i.e. after
 everyone finished reading round ``k``. On x86-64 (TSO) a store of the epoch is visible only after
-the data stores before it. A peer whose process is gone is reported at once; a live but late peer
-after ``timeout_s``.
+the data stores before it.
+
+A peer whose process is gone is reported at once. A live peer is reported once it has made no
+progress for ``timeout_s``: ranks bump their heartbeat on every pull and push, so a rank still
+working through a long micro-batch is waited for, and only a stopped or stuck one is an error.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
 HEADER = 4
+HEARTBEAT = 3
 
 
 def control_numel(width: int) -> int:
@@ -54,6 +58,10 @@ class StepRendezvous:
         self.round = 0
         blocks[rank][0] = float(os.getpid())
 
+    def heartbeat(self) -> None:
+        """Record progress (called on every pull and push; one store)."""
+        self.blocks[self.rank][HEARTBEAT] += 1.0
+
     def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
         n = values.numel()
         if n > self.width:
@@ -70,7 +78,8 @@ class StepRendezvous:
     def _wait_for_all(self, epoch_index: int, what: str) -> None:
         target = float(self.round)
         pending = [r for r in range(len(self.blocks)) if r != self.rank]
-        deadline = time.monotonic() + self.timeout_s
+        last_beat = {r: self.blocks[r][HEARTBEAT].item() for r in pending}
+        last_progress = {r: time.monotonic() for r in pending}
         next_liveness_check = time.monotonic() + 0.05
         pause = 5e-6
         while pending:
@@ -86,11 +95,15 @@ class StepRendezvous:
                         raise ODCPeerError(
                             f"rank {r} (pid {pid}) exited; rank {self.rank} was waiting for it at {what} "
                             f"(rendezvous round {self.round})")
-                if now > deadline:
+                    beat = self.blocks[r][HEARTBEAT].item()
+                    if beat != last_beat[r]:
+                        last_beat[r], last_progress[r] = beat, now
+                stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
+                if stalled:
                     raise ODCTimeoutError(
-                        f"rank(s) {pending} did not reach {what} within {self.timeout_s:.0f}s; rank {self.rank} "
-                        f"waited at rendezvous round {self.round}, theirs: "
-                        f"{[int(max(self.blocks[r][1].item(), self.blocks[r][2].item())) for r in pending]}. "
+                        f"rank(s) {stalled} made no progress for {self.timeout_s:.0f}s and did not reach {what}; "
+                        f"rank {self.rank} waited at rendezvous round {self.round}, theirs: "
+                        f"{[int(max(self.blocks[r][1].item(), self.blocks[r][2].item())) for r in stalled]}. "
                         f"A peer is stuck, or ranks called engine.step() a different number of times.")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)

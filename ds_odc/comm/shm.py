@@ -109,6 +109,9 @@ class ShmTransport(Transport):
                 locks.release(stripe)
             done += count
 
+    def heartbeat(self) -> None:
+        self._rendezvous.heartbeat()
+
     def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
         self.exchanges += 1
         return self._rendezvous.exchange(values, what)

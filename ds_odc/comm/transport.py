@@ -67,8 +67,12 @@ class Transport(abc.ABC):
     def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """The step rendezvous: contribute ``values`` (1-D, at most ``exchange_width``) and return a
         ``[world_size, len(values)]`` float64 tensor of every rank's contribution, row r from rank r.
-        Bounded by ``timeout_s``; a dead or late peer raises :class:`~ds_odc.errors.ODCPeerError`
-        naming it and ``what`` the rendezvous was for."""
+        A dead peer, or one without a :meth:`heartbeat` for ``timeout_s``, raises
+        :class:`~ds_odc.errors.ODCPeerError` naming it and ``what`` the rendezvous was for."""
+
+    @abc.abstractmethod
+    def heartbeat(self) -> None:
+        """Tell peers waiting at a rendezvous that this rank is still making progress."""
 
     @abc.abstractmethod
     def close(self) -> None:

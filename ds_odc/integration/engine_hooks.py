@@ -4,8 +4,8 @@
   optimizer. DeepSpeed imports the stage-3 class at call time from its module, so swapping that
   module attribute for the duration of the call picks ours with DeepSpeed's own ~45 arguments.
 * ``_backward_prologue_per_tensor`` / ``_backward_post_hook``: the torch-style ``loss.backward()``
-  path (used by accelerate and the HF Trainer): no per-micro-batch division by
-  ``gradient_accumulation_steps`` where ODC divides at the step, and one ledger entry per backward.
+  path: no division by ``gradient_accumulation_steps`` for per-token micro-batches, and one ledger
+  entry per backward.
 * ``_take_model_step``: ``global_samples`` advances by the *global* number of micro-batches.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ODCEngineHooks:
         return built
 
     def _backward_prologue_per_tensor(self, grad):
-        if grad is not None and self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).divides_at_step:
+        if grad is not None and self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).skips_gas_division:
             return grad
         return super()._backward_prologue_per_tensor(grad)
 

@@ -36,6 +36,16 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._adopt_accumulator_as_grad_buffer()
         install_pulls(self.odc, self._odc_all_params())
         skip_trace_checks(self.parameter_offload.get_param_coordinator())
+        self._odc_heartbeat_hooks = [m.register_forward_pre_hook(self._odc_heartbeat) for m in self.module.modules()]
+
+    def _odc_heartbeat(self, *unused) -> None:
+        """Progress signal for peers waiting at the step: every module forward and every gradient
+        (pulls and pushes beat too, but prefetch and bucketing make those bursty)."""
+        self.odc.transport.heartbeat()
+
+    def reduce_ready_partitions_and_remove_grads(self, param):
+        self.odc.transport.heartbeat()
+        return super().reduce_ready_partitions_and_remove_grads(param)
 
     # -- construction ------------------------------------------------------------------------------
     def _odc_all_params(self):
@@ -114,7 +124,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     # -- the step ----------------------------------------------------------------------------------
     def step(self, closure=None):
         totals = self.odc.fence()
-        self.odc.normalise(totals.gradient_divisor(self.odc.world_size))
+        self.odc.normalise(totals.gradient_divisor(self.odc.world_size, self.gradient_accumulation_steps))
         views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         for sub_group_id, sub_group in enumerate(self.fp16_groups):
             self.averaged_gradients[sub_group_id] = [
@@ -161,6 +171,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._pull_released_persistent_params()
 
     def destroy(self):
+        for hook in getattr(self, "_odc_heartbeat_hooks", ()):
+            hook.remove()
         try:
             super().destroy()
         finally:

@@ -60,6 +60,7 @@ class ODCRuntime:
         for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
             self.transport.read(owner, slot.param_offset, out.narrow(0, start, count))
         self.pulls += 1
+        self.transport.heartbeat()
         return out
 
     def push(self, key: int, grad: torch.Tensor) -> None:
@@ -74,6 +75,7 @@ class ODCRuntime:
         for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
             self.transport.accumulate(owner, slot.grad_offset, grad.narrow(0, start, count))
         self.pushes += 1
+        self.transport.heartbeat()
         self.phase = Phase.ACCUMULATING
 
     # -- the step --------------------------------------------------------------------------------

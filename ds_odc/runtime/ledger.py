@@ -53,13 +53,16 @@ class StepTotals:
                 "or loss_tokens across ranks or micro-batches. Use one rule for every micro-batch of a step.")
         return used[0] if used else None
 
-    def gradient_divisor(self, world_size: int) -> float:
-        """The number the summed gradient is divided by (see the module docstring)."""
+    def gradient_divisor(self, world_size: int, gas: int = 1) -> float:
+        """The number the summed gradient is divided by (see the module docstring). MEAN gradients
+        arrive already divided by ``gas`` (DeepSpeed's per-micro-batch scaling), so they are divided
+        by ``global micro-batches / gas``: with equal counts that is ``world_size``, ZeRO-3's own
+        arithmetic."""
         rule = self.rule()
         if rule is None:
             return 1.0  # no micro-batch anywhere: gradients are all zero
         if rule is Normalisation.MEAN:
-            return float(self.micro_batches[Normalisation.MEAN])
+            return self.micro_batches[Normalisation.MEAN] / gas
         if rule is Normalisation.CALLER:
             return float(world_size)
         return float(max(self.tokens, 1))  # zero tokens everywhere: gradients are all zero

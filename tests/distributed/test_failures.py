@@ -21,6 +21,13 @@ def test_peer_failure_is_reported_with_the_rank(how):
         assert timeout_s <= outcome["waited_s"] < timeout_s + 5, outcome
 
 
+def test_a_slow_peer_that_keeps_pulling_is_waited_for():
+    """Only a peer without progress is an error: one busy for 3x the timeout (with pulls) is not."""
+    timeout_s = 2.0
+    outcomes = run_ranks(peer_failure, 2, "slow", timeout_s, timeout=90)
+    assert outcomes[0]["error"] is None and outcomes[1]["error"] is None, outcomes
+
+
 def test_bad_configs_fail_at_initialize_naming_the_field():
     cases = [
         ("unknown_key", ds_config("odc", odc={"timout_s": 3})),

@@ -14,15 +14,16 @@ def _assert_losses_equal(odc, zero3, tol):
         assert abs(a - b) <= tol * max(abs(b), 1e-12), f"loss of micro-step {micro_step}: odc {a} vs zero3 {b}"
 
 
-@pytest.mark.parametrize("world,gas,optimizer", [
-    (2, 1, "adam"),
-    (2, 3, "sgd"),
-    (4, 3, "adam"),
-    (4, 1, "sgd"),
-])
-def test_fp32_parity_with_zero3(world, gas, optimizer):
-    runs = run_ranks(train_pair, world, [("odc", {"optimizer": optimizer}), (3, {"optimizer": optimizer})],
-                     STEPS, gas)
+@pytest.mark.parametrize("world,gas,options", [
+    (2, 1, {"optimizer": "adam"}),
+    (2, 3, {"optimizer": "sgd"}),
+    (4, 3, {"optimizer": "adam"}),
+    (4, 1, {"optimizer": "sgd"}),
+    (2, 2, {"optimizer": "adamw", "scheduler": True, "clip": 0.02}),  # clipping engaged, LR schedule
+    (2, 2, {"optimizer": "client"}),  # a torch optimizer passed to initialize
+], ids=["w2-gas1-adam", "w2-gas3-sgd", "w4-gas3-adam", "w4-gas1-sgd", "w2-adamw-sched-clip", "w2-client-opt"])
+def test_fp32_parity_with_zero3(world, gas, options):
+    runs = run_ranks(train_pair, world, [("odc", options), (3, options)], STEPS, gas)
     odc, zero3 = runs[0]
     assert odc["engine"] == "ODCEngine" and zero3["engine"] == "DeepSpeedEngine"
     for rank_odc, rank_zero3 in runs:
@@ -35,6 +36,17 @@ def test_fp32_parity_with_zero3(world, gas, optimizer):
     # the frozen layer never moves, and the trainable ones did
     assert max_rel_diff(odc["params"][-1]["frozen.weight"], odc["params"][0]["frozen.weight"]) == 0.0
     assert max_rel_diff(odc["params"][-1]["out.weight"], odc["params"][0]["out.weight"]) > 1e-3
+
+
+def test_torch_style_backward_parity_with_zero3():
+    """``loss.backward()`` on the engine's output (no engine.backward) accumulates the same way."""
+    runs = run_ranks(train_pair, 2, [("odc", {}), (3, {})], 4, 2, None, True)
+    odc, zero3 = runs[0]
+    for rank_odc, rank_zero3 in runs:
+        _assert_losses_equal(rank_odc, rank_zero3, FP32_TOL)
+    for step in range(4):
+        assert worst_rel_diff(odc["grads"][step], zero3["grads"][step]) <= FP32_TOL, step
+        assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= FP32_TOL, step
 
 
 def test_bf16_parity_within_zero3_self_difference():

@@ -60,12 +60,20 @@ def mse_token_sum(pred, y, mask):
     return (((pred.float() - y) ** 2).sum(-1) * mask).sum()
 
 
-def ds_config(stage, *, gas=1, micro=4, optimizer="adam", bf16=False, clip=1.0, managed=True, lr=1e-2, **zero):
+def ds_config(stage, *, gas=1, micro=4, optimizer="adam", bf16=False, clip=1.0, managed=True, lr=1e-2,
+              scheduler=False, **zero):
     opt = {"adam": {"type": "Adam", "params": {"lr": lr, "torch_adam": True, "weight_decay": 0.0}},
-           "sgd": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}}}[optimizer]
+           "adamw": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True, "weight_decay": 0.1}},
+           "sgd": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+           "client": None}[optimizer]
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "optimizer": opt,
            "gradient_clipping": clip, "steps_per_print": 10_000, "wall_clock_breakdown": False,
            "zero_optimization": {"stage": stage, **zero}, "zero_allow_untested_optimizer": True}
+    if opt is None:
+        del cfg["optimizer"]
+    if scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                           "warmup_num_steps": 5}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if not managed:
@@ -120,10 +128,16 @@ def full_params(engine):
 
 
 # -- workloads -----------------------------------------------------------------------------------
-def train_equal(stage, steps=10, gas=1, model_kw=None, **cfg_kw):
+def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_kw):
     """Managed accumulation, equal micro-batches everywhere. Returns per-step losses of this rank;
-    rank 0 also returns full grads and params of every step."""
-    engine, *_ = deepspeed.initialize(model=make_model(**(model_kw or {})), config=ds_config(stage, gas=gas, **cfg_kw))
+    rank 0 also returns full grads and params of every step. ``torch_style``: ``loss.backward()``
+    instead of ``engine.backward(loss)`` (the path accelerate's DDP-style code takes)."""
+    model = make_model(**(model_kw or {}))
+    client = None
+    if cfg_kw.get("optimizer") == "client":  # a torch optimizer built by the caller
+        client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2, momentum=0.5,
+                                 nesterov=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=ds_config(stage, gas=gas, **cfg_kw))
     probe = GradProbe(engine)
     rank = tdist.get_rank()
     record = {"engine": type(engine).__name__, "losses": [], "grads": [], "params": []}
@@ -131,7 +145,7 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, **cfg_kw):
         for index in range(gas):
             x, y, _ = micro_batch(step, rank, index)
             loss = mse_mean(engine(x.to(engine.module.inp.weight.dtype)), y)
-            engine.backward(loss)
+            loss.backward() if torch_style else engine.backward(loss)
             engine.step()
             record["losses"].append(loss.item())
         grads, params = probe.full_grads(), full_params(engine)
@@ -142,9 +156,10 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, **cfg_kw):
     return record
 
 
-def train_pair(configs, steps=10, gas=1, model_kw=None):
+def train_pair(configs, steps=10, gas=1, model_kw=None, torch_style=False):
     """Run several (stage, cfg_kw) configurations one after the other in the same ranks."""
-    return [train_equal(stage, steps=steps, gas=gas, model_kw=model_kw, **kw) for stage, kw in configs]
+    return [train_equal(stage, steps=steps, gas=gas, model_kw=model_kw, torch_style=torch_style, **kw)
+            for stage, kw in configs]
 
 
 def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None):
@@ -349,19 +364,24 @@ def checkpoint_roundtrip(ckpt_dir, stage="odc"):
 
 # -- failures -------------------------------------------------------------------------------------
 def peer_failure(how, timeout_s):
-    """Rank 1 dies (``how="killed"``) or stalls (``how="stalled"``) in the forward of step 1. Rank 0
-    reports the error it gets at the step and how long it waited."""
+    """In step 1, rank 1 dies (``how="killed"``), stalls (``"stalled"``), or is slow but alive
+    (``"slow"``: it sleeps 0.6 x timeout before each module, pulling parameters in between, for
+    3 x timeout in all). Rank 0 reports the error it gets at the step (if any) and how long it waited."""
     import os
     import signal
 
-    cfg = ds_config("odc", odc={"timeout_s": timeout_s})
+    cfg = ds_config("odc", odc={"timeout_s": timeout_s}, stage3_param_persistence_threshold=0)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     rank = tdist.get_rank()
     _train_steps(engine, 0, 1)
     if rank == 1:
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3600)
+        elif how == "stalled":
+            time.sleep(3600)
+        else:
+            for module in (engine.module.inp, *engine.module.blocks, engine.module.frozen, engine.module.out):
+                module.register_forward_pre_hook(lambda *_: time.sleep(0.6 * timeout_s))
     x, y, _ = micro_batch(1, rank, 0)
     engine.backward(mse_mean(engine(x), y))
     start = time.monotonic()
@@ -383,3 +403,34 @@ def bad_configs(cases):
         except Exception as err:  # noqa: BLE001
             messages[name] = f"{type(err).__name__}: {err}"
     return messages
+
+
+# -- registration -----------------------------------------------------------------------------------
+def engine_kinds(config_path):
+    """Which engine deepspeed.initialize builds for each way of passing a config."""
+    import argparse
+    import json
+
+    kinds = {}
+
+    def describe(engine):
+        kinds_entry = (type(engine).__name__, engine.zero_optimization_stage(), type(engine.optimizer).__name__)
+        engine.destroy()
+        return kinds_entry
+
+    kinds["dict"] = describe(deepspeed.initialize(model=make_model(), config=ds_config("odc"))[0])
+    kinds["path"] = describe(deepspeed.initialize(model=make_model(), config=config_path)[0])
+    args = argparse.Namespace(deepspeed_config=config_path)
+    kinds["args"] = describe(deepspeed.initialize(args=args, model=make_model())[0])
+    kinds["args_restored"] = args.deepspeed_config == config_path
+    kinds["config_params"] = describe(deepspeed.initialize(model=make_model(), config_params=ds_config("odc"))[0])
+    kinds["stage3"] = describe(deepspeed.initialize(model=make_model(), config=ds_config(3))[0])
+    with open(config_path) as config_file:
+        kinds["file_untouched"] = json.load(config_file)["zero_optimization"]["stage"] == "odc"
+    return kinds
+
+
+def hang_on_rank(rank_to_hang):
+    if tdist.get_rank() == rank_to_hang:
+        time.sleep(3600)
+    return "done"

@@ -34,6 +34,8 @@ def _totals(*rows):
 def test_normalisation_divisors_follow_the_documented_rules():
     # rank 0 ran 1 MEAN micro-batch, rank 1 ran 3
     assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2) == 4.0
+    # MEAN gradients arrive divided by gas: 4 micro-batches at gas 2 -> divide by 2 (the mean)
+    assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2, gas=2) == 2.0
     assert _totals([0, 1, 0, 0], [0, 3, 0, 0]).gradient_divisor(2) == 2.0
     assert _totals([0, 0, 2, 0], [0, 0, 1, 17]).gradient_divisor(2) == 17.0
     assert _totals([0, 0, 2, 0], [0, 0, 1, 0]).gradient_divisor(2) == 1.0  # no token at all: grads are 0
