@@ -26,29 +26,28 @@ class StripeLocks:
         self.timeout_s = timeout_s
         self._fd = os.open(path, os.O_RDWR)
 
-    def acquire(self, stripe: int) -> None:
-        """Take stripe ``stripe`` exclusively; raise ODCTimeoutError after ``timeout_s``."""
+    def _try(self, stripe: int) -> bool:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, stripe)
-            return
+            return True
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
+            return False
+
+    def acquire(self, stripe: int) -> None:
+        """Take stripe ``stripe`` exclusively; raise ODCTimeoutError after ``timeout_s``."""
+        if self._try(stripe):
+            return
         deadline = time.monotonic() + self.timeout_s
         pause = 20e-6
-        while True:
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-            try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, stripe)
-                return
-            except OSError as err:
-                if err.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
+        while not self._try(stripe):
             if time.monotonic() > deadline:
                 raise ODCTimeoutError(
                     f"push to rank {self.owner}: accumulator stripe {stripe} stayed locked for more than "
                     f"{self.timeout_s:.0f}s (a peer holding it is stopped or stuck)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def release(self, stripe: int) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)

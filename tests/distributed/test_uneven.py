@@ -8,9 +8,9 @@ from tests.distributed.workloads import reference_training, train_uneven
 TOL = 1e-6
 
 
-@pytest.mark.parametrize("mode", ["unmanaged", "managed"])
-def test_uneven_micro_batch_counts_equal_single_process(mode):
-    counts = (1, 3)
+@pytest.mark.parametrize("mode,counts", [("unmanaged", (1, 3)), ("managed", (1, 3)), ("unmanaged", (0, 3))],
+                         ids=["unmanaged-1-3", "managed-1-3", "unmanaged-idle-rank"])
+def test_uneven_micro_batch_counts_equal_single_process(mode, counts):
     results = run_ranks(train_uneven, 2, "odc", mode, counts)
     expected = reference_training(mode, counts)
     for rank, result in enumerate(results):

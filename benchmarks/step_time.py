@@ -1,0 +1,112 @@
+"""Side-by-side step time and peak memory, DeepSpeed ZeRO-3 vs ODC, on 2 CPU ranks.
+
+    .venv/bin/python benchmarks/step_time.py            # runs every case, prints a markdown table
+
+Model: the example's TinyCausalLM (3 layers, dim 64). Each step, every rank runs 4 micro-batches
+(one sequence each, equal counts so ZeRO-3 can run them too). "balanced": all sequences 256
+tokens. "skewed": rank 0 gets 64-token sequences, rank 1 448-token ones (same total as balanced),
+the per-layer imbalance ZeRO-3's collectives turn into waiting. Median over 8 steps after 2 warm-up
+steps; memory is each rank's peak RSS.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CASES = {"balanced": (256, 256), "skewed": (64, 448)}
+
+
+def _load_model_class():
+    spec = importlib.util.spec_from_file_location("train_causal_lm", os.path.join(ROOT, "examples", "train_causal_lm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TinyCausalLM
+
+
+def rank_main(stage, case, steps=8, warmup=2, micro_batches=4):
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    from deepspeed import comm as dist
+
+    import ds_odc  # noqa: F401
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _load_model_class()()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "gradient_clipping": 1.0, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": "odc" if stage == "odc" else 3}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    length = CASES[case][rank]
+    step_times, compute_times = [], []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        compute = 0.0
+        for index in range(micro_batches):
+            tokens = torch.randint(0, 128, (1, length + 1), generator=torch.Generator().manual_seed(step * 10 + index))
+            t0 = time.perf_counter()
+            logits = engine(tokens[:, :-1])
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            engine.backward(loss)
+            compute += time.perf_counter() - t0
+            engine.step()
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            step_times.append(elapsed)
+            compute_times.append(compute)
+    result = {"rank": rank, "step_s": statistics.median(step_times), "fwd_bwd_s": statistics.median(compute_times),
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    engine.destroy()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+
+
+def run_case(stage, case, port):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.abspath(__file__), "--rank-main", "--stage", stage, "--case", case]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-main", action="store_true")
+    parser.add_argument("--stage")
+    parser.add_argument("--case")
+    args = parser.parse_args()
+    if args.rank_main:
+        rank_main(args.stage, args.case)
+        return
+    print("| workload | engine | step time (median) | ODC / ZeRO-3 | rank 0 fwd+bwd | rank 1 fwd+bwd | peak RSS r0 / r1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    port = 29600
+    for case in CASES:
+        rows = {}
+        for stage in ("3", "odc"):
+            port += 1
+            rows[stage] = run_case(stage, case, port)
+        for stage, ranks in rows.items():
+            step = max(r["step_s"] for r in ranks)
+            ratio = step / max(r["step_s"] for r in rows["3"])
+            print(f"| {case} | {'ZeRO-3' if stage == '3' else 'ODC'} | {step * 1000:.0f} ms | {ratio:.2f} | "
+                  f"{ranks[0]['fwd_bwd_s'] * 1000:.0f} ms | {ranks[1]['fwd_bwd_s'] * 1000:.0f} ms | "
+                  f"{ranks[0]['peak_rss_mib']:.0f} / {ranks[1]['peak_rss_mib']:.0f} MiB |")
+
+
+if __name__ == "__main__":
+    main()
