@@ -92,7 +92,7 @@ def main():
     if args.rank_main:
         rank_main(args.stage, args.case)
         return
-    print("| workload | engine | step time (median) | ODC / ZeRO-3 | rank 0 fwd+bwd | rank 1 fwd+bwd | peak RSS r0 / r1 |")
+    print("| workload | engine | step time (median) | time ratio to ZeRO-3 | rank 0 fwd+bwd | rank 1 fwd+bwd | peak RSS r0 / r1 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     port = 29600
     for case in CASES:

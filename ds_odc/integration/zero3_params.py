@@ -4,7 +4,8 @@ ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
 
 * each parameter's ``all_gather_coalesced`` / ``all_gather`` closures, the only ways the coordinator,
   ``GatheredParameters`` and the step's persistent-parameter refresh gather, are replaced by pulls
-  from the owners' windows;
+  from the owners' windows; ``partition(has_been_updated=True)`` (writing modified values back
+  into the shards) waits for every owner before returning;
 * the coordinator's trace-consistency check (``assert_ints_same_as_other_ranks`` in
   ``reset_step``, broadcasts at the start of forwards) is skipped for ODC coordinators only: with
   ODC each rank keeps its own trace, and ranks may legitimately run different modules.
@@ -69,12 +70,26 @@ def _make_pull_all_gather(runtime, owner_param):
     return all_gather
 
 
+def _make_publishing_partition(runtime, partition):
+    """``partition(has_been_updated=True)`` writes new values into this rank's shards (the exit of
+    ``GatheredParameters(modifier_rank=...)``, which every rank calls): wait until every owner has,
+    so that no rank pulls a half-written parameter."""
+
+    def publishing_partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
+        partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data)
+        if has_been_updated:
+            runtime.sync_windows("publishing parameters modified under GatheredParameters")
+
+    return publishing_partition
+
+
 def install_pulls(runtime, params) -> None:
     """Make every gather of ``params`` a pull through ``runtime``."""
     pull_coalesced = functools.partial(_pull_coalesced, runtime)
     for param in params:
         param.all_gather_coalesced = pull_coalesced
         param.all_gather = _make_pull_all_gather(runtime, param)
+        param.partition = _make_publishing_partition(runtime, param.partition)
 
 
 @contextlib.contextmanager

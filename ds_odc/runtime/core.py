@@ -100,6 +100,10 @@ class ODCRuntime:
             values = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
         return self.transport.exchange(values.reshape(-1), what).sum(0)
 
+    def sync_windows(self, what: str) -> None:
+        """A rendezvous outside the step (every rank rewrote its own shards; e.g. a checkpoint load)."""
+        self.transport.exchange(torch.zeros(1, dtype=torch.float64), what)
+
     def publish(self) -> None:
         """Round 3: this owner's new shard is in its window and its accumulator is clear."""
         self.transport.local_grad_accumulator().zero_()

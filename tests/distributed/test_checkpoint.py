@@ -1,7 +1,7 @@
 """Checkpoints keep ZeRO-3's layout: round trip, resume, and zero_to_fp32 consolidation."""
 from tests.distributed.compare import worst_rel_diff
 from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import checkpoint_roundtrip
+from tests.distributed.workloads import checkpoint_roundtrip, modify_under_gathered_parameters
 
 
 def test_checkpoint_round_trip_resume_and_zero_to_fp32(tmp_path):
@@ -16,3 +16,10 @@ def test_checkpoint_round_trip_resume_and_zero_to_fp32(tmp_path):
     trainable = {k: v for k, v in rank0["saved"].items() if k in consolidated}
     assert set(trainable) >= {"inp.weight", "inp.bias", "out.weight", "blocks.0.weight"}
     assert worst_rel_diff({k: consolidated[k] for k in trainable}, trainable) == 0.0
+
+
+def test_modification_under_gathered_parameters_reaches_every_rank():
+    results = run_ranks(modify_under_gathered_parameters, 2)
+    for rank, result in enumerate(results):
+        assert (result["seen"] == 0.5).all(), f"rank {rank} pulled a stale weight"
+    assert results[0]["loss"] == results[1]["loss"]

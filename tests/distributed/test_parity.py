@@ -20,10 +20,14 @@ def _assert_losses_equal(odc, zero3, tol):
     (4, 3, {"optimizer": "adam"}),
     (4, 1, {"optimizer": "sgd"}),
     (2, 2, {"optimizer": "adamw", "scheduler": True, "clip": 0.02}),  # clipping engaged, LR schedule
-    (2, 2, {"optimizer": "client"}),  # a torch optimizer passed to initialize
-], ids=["w2-gas1-adam", "w2-gas3-sgd", "w4-gas3-adam", "w4-gas1-sgd", "w2-adamw-sched-clip", "w2-client-opt"])
+    (2, 2, {"optimizer": "client"}),  # a torch optimizer passed to initialize, two param groups
+    (2, 2, {"zero_init": True}),  # model built under deepspeed.zero.Init
+], ids=["w2-gas1-adam", "w2-gas3-sgd", "w4-gas3-adam", "w4-gas1-sgd", "w2-adamw-sched-clip", "w2-client-2groups",
+        "w2-zero-init"])
 def test_fp32_parity_with_zero3(world, gas, options):
-    runs = run_ranks(train_pair, world, [("odc", options), (3, options)], STEPS, gas)
+    options = dict(options)
+    model_kw = {"zero_init": options.pop("zero_init", False)}
+    runs = run_ranks(train_pair, world, [("odc", options), (3, options)], STEPS, gas, model_kw)
     odc, zero3 = runs[0]
     assert odc["engine"] == "ODCEngine" and zero3["engine"] == "DeepSpeedEngine"
     for rank_odc, rank_zero3 in runs:

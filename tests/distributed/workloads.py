@@ -132,12 +132,20 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_
     """Managed accumulation, equal micro-batches everywhere. Returns per-step losses of this rank;
     rank 0 also returns full grads and params of every step. ``torch_style``: ``loss.backward()``
     instead of ``engine.backward(loss)`` (the path accelerate's DDP-style code takes)."""
-    model = make_model(**(model_kw or {}))
+    model_kw = dict(model_kw or {})
+    config = ds_config(stage, gas=gas, **cfg_kw)
+    if model_kw.pop("zero_init", False):  # parameters partitioned at construction
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = make_model(**model_kw)
+    else:
+        model = make_model(**model_kw)
     client = None
-    if cfg_kw.get("optimizer") == "client":  # a torch optimizer built by the caller
-        client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2, momentum=0.5,
-                                 nesterov=True)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=ds_config(stage, gas=gas, **cfg_kw))
+    if cfg_kw.get("optimizer") == "client":  # a torch optimizer built by the caller, two param groups
+        weights = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("bias")]
+        client = torch.optim.AdamW([{"params": weights, "lr": 1e-2, "weight_decay": 0.1},
+                                    {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
     probe = GradProbe(engine)
     rank = tdist.get_rank()
     record = {"engine": type(engine).__name__, "losses": [], "grads": [], "params": []}
@@ -434,3 +442,18 @@ def hang_on_rank(rank_to_hang):
     if tdist.get_rank() == rank_to_hang:
         time.sleep(3600)
     return "done"
+
+
+def modify_under_gathered_parameters():
+    """Rank 0 rewrites a weight under GatheredParameters(modifier_rank=0); every rank then reads
+    it back through a pull and through a forward pass."""
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc"))
+    weight = engine.module.blocks[0].weight
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        if tdist.get_rank() == 0:
+            weight.data.fill_(0.5)
+    with deepspeed.zero.GatheredParameters([weight]):
+        seen = weight.detach().clone()
+    loss = mse_mean(engine(micro_batch(0, 0, 0)[0]), micro_batch(0, 0, 0)[1]).item()
+    engine.destroy()
+    return {"seen": seen, "loss": loss}
