@@ -64,6 +64,9 @@ class ShmTransport(Transport):
                 controls.append(map_segment(path("ctrl"), control_numel(spec.exchange_width), torch.float64))
                 self._locks.append(StripeLocks(path("lock"), peer, self.timeout_s))
             tdist.barrier(group=self.group)
+        except BaseException:
+            self.close()
+            raise
         finally:
             for path in mine.values():
                 unlink_quietly(path)

@@ -15,7 +15,7 @@ Worked example, world 2, parameters A (5 elements, trainable), B (4, trainable),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,9 @@ class WindowLayout:
         self.slots: Dict[int, ShardSlot] = {}
         self.trainable_numel = 0
         self.frozen_numel = 0
-        self._frozen: List[Tuple[int, int, int]] = []
 
     def add_trainable(self, key: int, numel: int, shard_numel: int) -> ShardSlot:
-        if self._frozen:
+        if self.frozen_numel:
             raise ValueError("add every trainable shard before the first frozen one")
         slot = ShardSlot(numel, shard_numel, self.trainable_numel, self.trainable_numel)
         self.slots[key] = slot
@@ -69,7 +68,6 @@ class WindowLayout:
         slot = ShardSlot(numel, shard_numel, self.trainable_numel + self.frozen_numel, None)
         self.slots[key] = slot
         self.frozen_numel += shard_numel
-        self._frozen.append((key, numel, shard_numel))
         return slot
 
     @property

@@ -11,9 +11,15 @@ def _counts(stage, layers, micro_batches):
 def test_no_collectives_in_forward_backward_and_constant_per_step():
     small = _counts("odc", 2, 2)
     large = _counts("odc", 4, 4)  # twice the layers, twice the micro-batches
-    for per_rank in small + large:
+    for per_rank, micro_batches in zip(small + large, (2, 2, 4, 4)):
         assert per_rank["fwd_bwd"] == [0, 0, 0], per_rank
         assert per_rank["exchanges"] == [3, 3, 3], per_rank  # fence, norm, publish
+        # one push per trainable parameter per micro-batch; every parameter pulled at least once per
+        # micro-batch (persistence is off here), the same number each step once the trace is recorded
+        assert per_rank["pushes"] == [per_rank["trainable_params"] * micro_batches] * 3, per_rank
+        assert per_rank["pulls"][1] == per_rank["pulls"][2], per_rank
+        assert per_rank["pulls"][1] % micro_batches == 0, per_rank
+        assert per_rank["pulls"][1] >= per_rank["params"] * micro_batches, per_rank
     assert small[0]["step"] == large[0]["step"], (small[0], large[0])
     assert max(small[0]["step"]) == 0  # the step synchronises through the transport only
 

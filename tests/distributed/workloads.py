@@ -285,11 +285,13 @@ def count_collectives(stage, layers, micro_batches, steps=3):
     engine, *_ = deepspeed.initialize(model=make_model(layers=layers), config=cfg)
     rank = tdist.get_rank()
     counter.take()
-    fwd_bwd, per_step, exchanges = [], [], []
-    transport = getattr(getattr(engine.optimizer, "odc", None), "transport", None)
+    fwd_bwd, per_step, exchanges, pulls, pushes = [], [], [], [], []
+    runtime = getattr(engine.optimizer, "odc", None)
+    transport = runtime.transport if runtime else None
     for step in range(steps):
         inside = 0
         before_exchanges = transport.exchanges if transport else 0
+        before_pulls, before_pushes = (runtime.pulls, runtime.pushes) if runtime else (0, 0)
         for index in range(micro_batches):
             x, y, _ = micro_batch(step, rank, index)
             loss = mse_mean(engine(x), y)
@@ -302,8 +304,13 @@ def count_collectives(stage, layers, micro_batches, steps=3):
         per_step.append(counter.take())
         fwd_bwd.append(inside)
         exchanges.append((transport.exchanges - before_exchanges) if transport else None)
+        pulls.append((runtime.pulls - before_pulls) if runtime else None)
+        pushes.append((runtime.pushes - before_pushes) if runtime else None)
+    trainable = sum(1 for p in engine.module.parameters() if p.requires_grad)
+    every = sum(1 for p in engine.module.parameters())
     engine.destroy()
-    return {"fwd_bwd": fwd_bwd, "step": per_step, "exchanges": exchanges}
+    return {"fwd_bwd": fwd_bwd, "step": per_step, "exchanges": exchanges, "pulls": pulls, "pushes": pushes,
+            "trainable_params": trainable, "params": every}
 
 
 # -- straggler --------------------------------------------------------------------------------------
