@@ -46,6 +46,12 @@ class ODCConfig(BaseModel):
     """Elements per lock stripe of a gradient accumulator: concurrent pushes into different stripes
     of one owner proceed in parallel. Default 1048576 (4 MiB of fp32); at least 1024."""
 
+    accumulator_dtype: Literal["fp32", "fp64"] = "fp32"
+    """Precision of the owners' gradient accumulators. "fp32" (default): pushes from several ranks
+    are summed in arrival order, so results may differ run to run in the last bits (as any change of
+    summation order does). "fp64": the sums are exact for practical purposes, hence independent of
+    arrival order (bit-reproducible runs), for 4 more bytes per shard element."""
+
     loss_normalization: Literal["auto", "token"] = "auto"
     """How accumulated gradients are normalised at the step (see README, "Normalisation").
     "auto": follow DeepSpeed's rules (mean over the global micro-batches for ``engine.backward(loss)``

@@ -1,12 +1,12 @@
 """The ``shm`` transport: one-sided windows in shared memory, for the ranks of one host (CPU).
 
-Per rank: a parameter window (compute dtype), an fp32 gradient accumulator, a control block for
+Per rank: a parameter window (compute dtype), a gradient accumulator (fp32), a control block for
 the step rendezvous and a lock file for the accumulator stripes, all created once in
 :meth:`ShmTransport.allocate` and unlinked as soon as every rank has mapped them.
 
 * pull  = ``out.copy_(peer_window[offset:offset+n])``: a plain read of the peer's pages;
-* push  = for each stripe touched: lock, ``peer_acc[a:b].add_(grad)``, unlock. The add converts
-  bf16 to fp32 element-wise, so no staging copy of the gradient is made;
+* push  = for each stripe touched: lock, ``peer_acc[a:b].add_(grad)``, unlock. A gradient in
+  another dtype (bf16) is converted one stripe at a time: staging is at most one stripe;
 * step  = :class:`~ds_odc.comm.rendezvous.StepRendezvous` over the control blocks.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ShmTransport(Transport):
         mine = {kind: segment_path(self.shm_dir, session, self.rank, kind) for kind in _KINDS}
         sizes = {
             "params": spec.param_numel * _itemsize(spec.param_dtype),
-            "grads": spec.grad_numel * 4,
+            "grads": spec.grad_numel * _itemsize(spec.grad_dtype),
             "ctrl": control_numel(spec.exchange_width) * 8,
             "lock": 1,
         }
@@ -60,7 +60,7 @@ class ShmTransport(Transport):
             for peer in range(self.world_size):
                 path = lambda kind: segment_path(self.shm_dir, session, peer, kind)  # noqa: E731
                 self._param_windows.append(map_segment(path("params"), spec.param_numel, spec.param_dtype))
-                self._grad_windows.append(map_segment(path("grads"), spec.grad_numel, torch.float32))
+                self._grad_windows.append(map_segment(path("grads"), spec.grad_numel, spec.grad_dtype))
                 controls.append(map_segment(path("ctrl"), control_numel(spec.exchange_width), torch.float64))
                 self._locks.append(StripeLocks(path("lock"), peer, self.timeout_s))
             tdist.barrier(group=self.group)

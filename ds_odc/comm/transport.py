@@ -4,7 +4,7 @@ The runtime sees only this interface. A transport owns, for every rank of the da
 
 * a **parameter window** of ``param_numel`` elements in the compute dtype, which peers *read*
   (pull) without the owner taking part;
-* a **gradient accumulator** of ``grad_numel`` fp32 elements, which peers *add into* (push)
+* a **gradient accumulator** of ``grad_numel`` fp32 (or fp64) elements, which peers *add into* (push)
   without the owner taking part, correctly under concurrent pushes;
 * a **step rendezvous** (:meth:`Transport.exchange`), the single synchronisation point of an
   optimizer step: every rank contributes a small float vector and receives everyone's.
@@ -28,6 +28,7 @@ class WindowSpec:
     param_dtype: torch.dtype
     grad_numel: int
     exchange_width: int = 32
+    grad_dtype: torch.dtype = torch.float32
 
 
 class Transport(abc.ABC):

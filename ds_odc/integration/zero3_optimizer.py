@@ -22,7 +22,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
-from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks
+from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
+from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import MicroBatchLedger, ODCRuntime, WindowLayout
 
 
@@ -81,8 +82,10 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                                      world_size=world, timeout_s=self.odc_options.timeout_s,
                                      device=self.lp_param_buffer.device.type, shm_dir=self.odc_options.shm_dir,
                                      stripe_numel=self.odc_options.accumulator_stripe_numel)
+        accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]
         transport.allocate(WindowSpec(layout.param_numel, compute_dtype, layout.grad_numel,
-                                      ODCRuntime.exchange_width(len(self.fp16_groups))))
+                                      ODCRuntime.exchange_width(len(self.fp16_groups)), accumulator_dtype))
+        release_allreduce_buffer(dist.get_rank())  # allocate() ended with a barrier of every rank
         self.odc = ODCRuntime(transport, layout, self._odc_ledger)
 
         window = transport.local_param_window()
@@ -171,10 +174,13 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._pull_released_persistent_params()
 
     def destroy(self):
+        """Release windows and hooks; the model's parameters go back to ZeRO-3's collective gathers
+        (their shards stay valid: they are views that keep the unlinked mapping alive)."""
         for hook in getattr(self, "_odc_heartbeat_hooks", ()):
             hook.remove()
         try:
             super().destroy()
         finally:
+            uninstall_pulls(self._odc_all_params())
             if self.odc is not None:
                 self.odc.close()

@@ -83,13 +83,29 @@ def _make_publishing_partition(runtime, partition):
     return publishing_partition
 
 
+_CLOSURES = ("all_gather", "all_gather_coalesced", "partition")
+
+
 def install_pulls(runtime, params) -> None:
-    """Make every gather of ``params`` a pull through ``runtime``."""
+    """Make every gather of ``params`` a pull through ``runtime``. ZeRO-3's own closures are kept
+    aside (once, however many engines wrap the same parameters) for :func:`uninstall_pulls`."""
     pull_coalesced = functools.partial(_pull_coalesced, runtime)
     for param in params:
+        if not hasattr(param, "_odc_zero3_closures"):
+            param._odc_zero3_closures = {name: getattr(param, name) for name in _CLOSURES}
         param.all_gather_coalesced = pull_coalesced
         param.all_gather = _make_pull_all_gather(runtime, param)
-        param.partition = _make_publishing_partition(runtime, param.partition)
+        param.partition = _make_publishing_partition(runtime, param._odc_zero3_closures["partition"])
+
+
+def uninstall_pulls(params) -> None:
+    """Give ``params`` back ZeRO-3's collective gathers (the engine is gone; the model stays usable)."""
+    for param in params:
+        closures = getattr(param, "_odc_zero3_closures", None)
+        if closures is not None:
+            for name, closure in closures.items():
+                setattr(param, name, closure)
+            del param._odc_zero3_closures
 
 
 @contextlib.contextmanager

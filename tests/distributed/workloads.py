@@ -62,6 +62,8 @@ def mse_token_sum(pred, y, mask):
 
 def ds_config(stage, *, gas=1, micro=4, optimizer="adam", bf16=False, clip=1.0, managed=True, lr=1e-2,
               scheduler=False, **zero):
+    if stage != "odc":
+        zero.pop("odc", None)
     opt = {"adam": {"type": "Adam", "params": {"lr": lr, "torch_adam": True, "weight_decay": 0.0}},
            "adamw": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True, "weight_decay": 0.1}},
            "sgd": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
@@ -462,5 +464,10 @@ def modify_under_gathered_parameters():
     with deepspeed.zero.GatheredParameters([weight]):
         seen = weight.detach().clone()
     loss = mse_mean(engine(micro_batch(0, 0, 0)[0]), micro_batch(0, 0, 0)[1]).item()
+    _train_steps(engine, 0, 2)
+    before_destroy = full_params(engine)["out.weight"]
+    module = engine.module
     engine.destroy()
-    return {"seen": seen, "loss": loss}
+    with deepspeed.zero.GatheredParameters([module.out.weight]):  # ZeRO-3's own gather again
+        after_destroy = module.out.weight.detach().clone()
+    return {"seen": seen, "loss": loss, "before_destroy": before_destroy, "after_destroy": after_destroy}
