@@ -11,7 +11,9 @@ Replaced, each by one override below:
   to its owners' fp32 accumulators; the accumulator *is* ``grad_partitions_flat_buffer``;
 * ``step``: fence, normalise, then ZeRO-3's step; then publish;
 * ``_get_norm_groups``: one exchange instead of an all-reduce per sub-group;
-* ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering.
+* ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering;
+* ``reduce_ready_partitions_and_remove_grads`` (and a forward pre-hook on every module): a heartbeat
+  for peers waiting at the step, so that only a peer without progress times out.
 """
 from __future__ import annotations
 
