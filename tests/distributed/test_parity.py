@@ -71,6 +71,7 @@ def test_bf16_parity_within_zero3_self_difference():
     the difference ZeRO-3 shows against itself between its bf16 run and its fp32 run of the same job."""
     runs = run_ranks(train_pair, 2, [("odc", {"bf16": True}), (3, {"bf16": True}), (3, {})], STEPS, 2)
     odc, zero3, zero3_fp32 = runs[0]
+    assert odc["window_dtypes"] == ("torch.bfloat16", "torch.float32")  # pull bf16, accumulate fp32
     for step in range(STEPS):
         zero3_self = worst_rel_diff(zero3["params"][step], zero3_fp32["params"][step])
         odc_vs_zero3 = worst_rel_diff(odc["params"][step], zero3["params"][step])

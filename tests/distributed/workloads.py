@@ -151,6 +151,10 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_
     probe = GradProbe(engine)
     rank = tdist.get_rank()
     record = {"engine": type(engine).__name__, "losses": [], "grads": [], "params": []}
+    runtime = getattr(engine.optimizer, "odc", None)
+    if runtime is not None:  # what pulls read and pushes add into
+        record["window_dtypes"] = (str(runtime.transport.local_param_window().dtype),
+                                   str(runtime.transport.local_grad_accumulator().dtype))
     for step in range(steps):
         for index in range(gas):
             x, y, _ = micro_batch(step, rank, index)
