@@ -63,6 +63,7 @@ class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
         return _BackwardRule(Normalisation.CALLER)
 
     def _odc_record_backward(self, scale_wrt_gas: bool) -> None:
+        """Ledger entry for a torch-style ``loss.backward()`` (engine.backward records its own)."""
         decided = self._odc_rule_for_backward(scale_wrt_gas)
         self._odc_ledger.record(decided.rule, decided.tokens)
 
@@ -73,10 +74,10 @@ class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
         Returns what DeepSpeed returns: the loss as scaled for accumulation."""
         if loss_tokens is not None:
             self.set_loss_tokens(loss_tokens)
-        decided = self._odc_rule_for_backward(scale_wrt_gas, peek=True)
+        decided = self._odc_rule_for_backward(scale_wrt_gas)
         result = super().backward(loss, retain_graph=retain_graph,
                                   scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
-        self._odc_record_backward(scale_wrt_gas)
+        self._odc_ledger.record(decided.rule, decided.tokens)
         return result
 
     def load_checkpoint(self, *args, **kwargs):
