@@ -2,11 +2,16 @@ import doctest
 
 import pytest
 
+import ds_odc.balance
+import ds_odc.balance.cost
+import ds_odc.balance.packing
+import ds_odc.balance.partition
 import ds_odc.config
 import ds_odc.runtime.layout
 
 
-@pytest.mark.parametrize("module", [ds_odc.config, ds_odc.runtime.layout])
+@pytest.mark.parametrize("module", [ds_odc.config, ds_odc.runtime.layout, ds_odc.balance, ds_odc.balance.cost,
+                                    ds_odc.balance.packing, ds_odc.balance.partition])
 def test_docstring_examples(module):
     failures, tried = doctest.testmod(module)
     assert tried > 0 and failures == 0

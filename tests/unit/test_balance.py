@@ -1,0 +1,155 @@
+"""Balancers: every sample placed once, caps respected, near-optimal balance, deterministic plans."""
+import itertools
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ds_odc import ODCError
+from ds_odc.balance import BalancedBatchSampler, CostModel, fit_cost_model, karmarkar_karp, plan_minibatch, refine
+from ds_odc.balance.partition import largest_part
+
+POLICIES = ("lb-mini", "lb-micro", "local-sort")
+
+
+def long_tailed(count, cap, seed):
+    rng = random.Random(seed)
+    return [min(cap, max(1, int(rng.lognormvariate(5.0, 1.0)))) for _ in range(count)]
+
+
+def brute_force_largest_part(costs, parts, equal_size):
+    best = float("inf")
+    for assignment in itertools.product(range(parts), repeat=len(costs)):
+        counts = [assignment.count(p) for p in range(parts)]
+        if equal_size and max(counts) - min(counts) > 1:
+            continue
+        sums = [0] * parts
+        for cost, part in zip(costs, assignment):
+            sums[part] += cost
+        best = min(best, max(sums))
+    return best
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("world,per_rank,cap", [(2, 1, 1024), (2, 4, 1024), (3, 5, 700), (8, 8, 2048), (4, 3, 300)])
+def test_plans_place_every_sample_once_under_the_cap(policy, world, per_rank, cap):
+    lengths = long_tailed(world * per_rank, cap, seed=world * 100 + per_rank)
+    plan = plan_minibatch(lengths, world, cap, policy, CostModel.quadratic_linear(2.0, 2.6, 1000), seed=3)
+    placed = sorted(i for rank in plan.micro_batches for batch in rank for i in batch)
+    assert placed == list(range(len(lengths)))
+    for rank in plan.micro_batches:
+        for batch in rank:
+            assert batch and sum(lengths[i] for i in batch) <= cap
+    costs = plan.micro_batch_costs()
+    for rank_costs in costs:
+        assert rank_costs == sorted(rank_costs, reverse=True)  # heaviest micro-batch first
+
+
+def test_partition_is_near_optimal_against_brute_force():
+    rng = random.Random(7)
+    for equal_size in (False, True):
+        optimal, cases = 0, 200
+        for _ in range(cases):
+            parts = rng.choice([2, 3])
+            costs = [rng.choice([rng.randint(1, 100), rng.randint(1, 2000)]) for _ in range(rng.randint(2, 8))]
+            partition = refine(costs, karmarkar_karp(costs, parts, equal_size), equal_size)
+            if equal_size:
+                sizes = [len(p) for p in partition]
+                assert max(sizes) - min(sizes) <= 1
+            got, best = largest_part(costs, partition), brute_force_largest_part(costs, parts, equal_size)
+            assert got <= 1.05 * best, (costs, parts, equal_size, got, best)
+            optimal += got == best
+        assert optimal >= 0.95 * cases, (equal_size, optimal)
+
+
+def test_lb_micro_equal_counts_and_lb_mini_never_worse_for_odc():
+    for seed in range(10):
+        lengths = long_tailed(16, 2048, seed)
+        model = CostModel.quadratic_linear(2.0, 2.6, 1000)
+        micro = plan_minibatch(lengths, 4, 2048, "lb-micro", model, seed)
+        mini = plan_minibatch(lengths, 4, 2048, "lb-mini", model, seed)
+        assert [sum(len(b) for b in rank) for rank in micro.micro_batches] == [4, 4, 4, 4]
+        assert len(set(micro.micro_batch_counts())) == 1
+        assert mini.odc_step_cost() <= micro.odc_step_cost() + 1e-9
+        assert micro.collective_step_cost() >= micro.odc_step_cost()
+        assert 0.0 <= mini.bubble_rate(collective=False) <= micro.bubble_rate(collective=True) + 1e-12
+
+
+def test_lb_mini_gives_ranks_different_micro_batch_counts_when_that_balances():
+    lengths = [1000, 1000, 700, 700, 600]  # the only even split: {1000, 1000} | {700, 700, 600}
+    mini = plan_minibatch(lengths, 2, 1000, "lb-mini")
+    assert sorted(mini.micro_batch_counts()) == [2, 3] and mini.rank_costs() == [2000.0, 2000.0]
+
+
+def test_local_sort_deals_round_robin_one_sample_per_micro_batch():
+    lengths = [5, 9, 1, 7, 3, 8]
+    plan = plan_minibatch(lengths, 2, 10, "local-sort")
+    assert plan.for_rank(0) == [[0], [4], [2]]  # samples 0, 2, 4 (lengths 5, 1, 3), longest first
+    assert plan.for_rank(1) == [[1], [5], [3]]
+
+
+def test_plans_are_deterministic_for_a_seed():
+    lengths = [100] * 12 + [300] * 6  # many ties: the seed decides them
+    for policy in POLICIES:
+        assert plan_minibatch(lengths, 3, 400, policy, seed=5) == plan_minibatch(lengths, 3, 400, policy, seed=5)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: plan_minibatch([10, 2000], 2, 1024), "sample 1 has 2000 tokens, more than token_cap=1024"),
+    (lambda: plan_minibatch([10, 0], 2, 1024), "sample 1 has length 0"),
+    (lambda: plan_minibatch([10], 2, 1024, "greedy"), "unknown balancing policy 'greedy'"),
+    (lambda: plan_minibatch([10], 0, 1024), "world_size must be >= 1"),
+    (lambda: CostModel(quadratic=-1.0), "CostModel.quadratic must be >= 0"),
+    (lambda: BalancedBatchSampler([1], samples_per_rank=1, token_cap=4, world_size=2, rank=2), "rank 2 is outside"),
+])
+def test_bad_inputs_name_the_problem(call, message):
+    with pytest.raises(ODCError, match=message.replace("(", r"\(")):
+        call()
+
+
+def test_fit_recovers_a_known_cost_curve():
+    truth = CostModel(quadratic=3e-7, linear=2e-4, per_micro_batch=5e-3)
+    noise = random.Random(0)
+    fitted = fit_cost_model(lambda s: truth.micro_batch_cost([s]) * (1 + noise.uniform(-0.01, 0.01)),
+                            [64, 256, 512, 1024, 2048], repeats=3)
+    assert fitted.quadratic == pytest.approx(truth.quadratic, rel=0.1)
+    assert fitted.linear == pytest.approx(truth.linear, rel=0.1)
+    assert fitted.per_micro_batch == pytest.approx(truth.per_micro_batch, rel=0.3)
+
+
+def test_fit_on_a_real_attention_layer_grows_with_length():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
+
+    def run(length):
+        layer(torch.randn(1, length, 32)).sum().backward()
+
+    from ds_odc.balance import forward_backward_timer
+    model = fit_cost_model(forward_backward_timer(run), [16, 64, 128, 256], repeats=3)
+    assert model.micro_batch_cost([256]) > model.micro_batch_cost([16])
+
+
+def test_sampler_yields_each_rank_its_micro_batches_and_covers_the_epoch_once():
+    lengths = long_tailed(40, 512, seed=1)
+    samplers = [BalancedBatchSampler(lengths, samples_per_rank=4, token_cap=512, world_size=2, rank=r, seed=9)
+                for r in range(2)]
+    seen = sorted(i for sampler in samplers for batch in sampler for i in batch)
+    assert seen == list(range(40))  # 40 = 5 steps x 2 ranks x 4 samples: nothing dropped, nothing twice
+    for sampler in samplers:
+        assert len(sampler) == sum(sampler.micro_batches_per_step()) == len(list(sampler))
+    first_epoch = list(samplers[0])
+    samplers[0].set_epoch(1)
+    assert list(samplers[0]) != first_epoch
+
+
+def test_sampler_groups_a_dataloader_into_steps():
+    lengths = [300, 20, 40, 280, 500, 60, 70, 30, 200, 100, 90, 10]
+    dataset = [torch.full((length,), index) for index, length in enumerate(lengths)]
+    sampler = BalancedBatchSampler(lengths, samples_per_rank=3, token_cap=512, world_size=2, rank=1, shuffle=False)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=torch.cat)
+    steps = list(sampler.group_steps(loader))
+    assert [len(s) for s in steps] == sampler.micro_batches_per_step()
+    for (plan, members), step_batches in zip(sampler.plans(), steps):
+        expected = [[members[i] for i in batch] for batch in plan.micro_batches[1]]
+        assert [sorted(set(b.tolist())) for b in step_batches] == [sorted(b) for b in expected]
