@@ -1,0 +1,77 @@
+"""What one rank did in one optimizer step, and utilisation over ranks and steps.
+
+Utilisation = busy / wall, busy = compute + optimizer: the time a rank spent doing its own work.
+Pull/all-gather, push/reduce-scatter and the step rendezvous are not busy time (on a collective
+engine they are also where a rank waits for slower ones).
+
+>>> r = StepReport(rank=0, step=3, start=0.0, wall_s=2.0, compute_s=(0.9, 0.6), gather_s=0.1, reduce_s=0.1,
+...                step_wait_s=0.2, optimizer_s=0.1)
+>>> round(r.utilisation, 3), round(r.other_s, 3)
+(0.8, 0.0)
+>>> r.log_line()
+'step 3 rank 0 | wall 2.000s busy 80.0% | 2 micro-batches compute 1.500s gather 0.100s reduce 0.100s step-wait 0.200s optimizer 0.100s'
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Iterable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    rank: int
+    step: int
+    start: float
+    """clock time (shared by the processes of a host) at which the step's first micro-batch began"""
+    wall_s: float
+    compute_s: tuple[float, ...]
+    """compute time of each micro-batch, in order"""
+    gather_s: float
+    reduce_s: float
+    step_wait_s: float
+    optimizer_s: float
+    events: tuple[tuple[str, float, float], ...] = ()
+    """(kind, start, end) spans for timeline plots: micro_batch, gather, reduce, step_wait, optimizer"""
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.compute_s)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.compute_s) + self.optimizer_s
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.busy_s - self.gather_s - self.reduce_s - self.step_wait_s)
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def log_line(self) -> str:
+        return (f"step {self.step} rank {self.rank} | wall {self.wall_s:.3f}s busy {100 * self.utilisation:.1f}% | "
+                f"{self.micro_batches} micro-batches compute {sum(self.compute_s):.3f}s gather {self.gather_s:.3f}s "
+                f"reduce {self.reduce_s:.3f}s step-wait {self.step_wait_s:.3f}s optimizer {self.optimizer_s:.3f}s")
+
+    def without_events(self) -> "StepReport":
+        return dataclasses.replace(self, events=())
+
+
+def utilisation(reports: Iterable[StepReport]) -> float:
+    """Busy time over wall time, summed over every report given (ranks and steps)."""
+    reports = list(reports)
+    wall = sum(r.wall_s for r in reports)
+    return sum(r.busy_s for r in reports) / wall if wall > 0 else 0.0
+
+
+def step_line(reports_of_one_step: Sequence[StepReport]) -> str:
+    """One line for a step across ranks: ``step 7 | util 97.1% | rank 0 98.0% (3 mb) | rank 1 96.2% (5 mb)``."""
+    ordered = sorted(reports_of_one_step, key=lambda r: r.rank)
+    ranks = " | ".join(f"rank {r.rank} {100 * r.utilisation:.1f}% ({r.micro_batches} mb)" for r in ordered)
+    return f"step {ordered[0].step} | utilisation {100 * utilisation(ordered):.1f}% | {ranks}"
+
+
+def median_wall(reports: Iterable[StepReport]) -> float:
+    return statistics.median(r.wall_s for r in reports)
