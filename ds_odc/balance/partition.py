@@ -19,6 +19,7 @@ lightest part of the other. With ``equal_size`` every initial solution holds exa
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import operator
@@ -31,6 +32,16 @@ def karmarkar_karp(costs: Sequence[float], parts: int, equal_size: bool = False,
                    order: Sequence[int] | None = None) -> list[list[int]]:
     """Split item indices ``0..len(costs)-1`` into ``parts`` lists. ``order`` (a permutation) breaks
     ties between equal costs deterministically; with ``equal_size`` part sizes differ by at most one."""
+    collecting = gc.isenabled()
+    gc.disable()  # the merges allocate many small tuples and nothing cyclic: a collection is pure pause
+    try:
+        return _karmarkar_karp(costs, parts, equal_size, order)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _karmarkar_karp(costs, parts, equal_size, order):
     if parts < 1:
         raise ODCError(f"karmarkar_karp: parts must be >= 1, got {parts}")
     n = len(costs)

@@ -66,11 +66,13 @@ def utilisation(reports: Iterable[StepReport]) -> float:
     return sum(r.busy_s for r in reports) / wall if wall > 0 else 0.0
 
 
-def step_line(reports_of_one_step: Sequence[StepReport]) -> str:
-    """One line for a step across ranks: ``step 7 | util 97.1% | rank 0 98.0% (3 mb) | rank 1 96.2% (5 mb)``."""
+def step_line(reports_of_one_step: Sequence[StepReport], with_step: bool = True) -> str:
+    """One line for a step across ranks:
+    ``step 7 | utilisation 97.1% | rank 0 98.0% (3 mb) | rank 1 96.2% (5 mb)``."""
     ordered = sorted(reports_of_one_step, key=lambda r: r.rank)
     ranks = " | ".join(f"rank {r.rank} {100 * r.utilisation:.1f}% ({r.micro_batches} mb)" for r in ordered)
-    return f"step {ordered[0].step} | utilisation {100 * utilisation(ordered):.1f}% | {ranks}"
+    line = f"utilisation {100 * utilisation(ordered):.1f}% | {ranks}"
+    return f"step {ordered[0].step} | {line}" if with_step else line
 
 
 def median_wall(reports: Iterable[StepReport]) -> float:

@@ -1,0 +1,301 @@
+"""ZeRO-3 vs ODC under long-tailed sequence lengths, with the balancers each can use.
+
+One invocation, 2 CPU ranks with one thread each, the same model, data and seed for every cell:
+
+    methods   ZeRO-3 + LB-Micro (the baseline), ZeRO-3 + LocalSort, ODC + LB-Micro, ODC + LB-Mini
+    workloads LongAlign-like lengths (scaled 1/32: 64K -> 2048 tokens) at 1, 2, 4, 8 samples per rank;
+              a balanced control (every sample the same length) at 4 samples per rank
+
+Each cell runs in a fresh pair of processes (so peak memory is the cell's own), warms up, then
+times steps with the step recorder (``ds_odc.metrics``) on both engines. Reported: samples/s (median
+over measured steps; a step spans from the first rank's first micro-batch to the last rank's
+optimizer step), the ratio to ZeRO-3 + LB-Micro, utilisation per rank, peak RSS per rank, the
+*balance bound* (the baseline plan's ``Σ_m max_rank cost`` over this plan's ``max_rank Σ_m cost``,
+with the cost model fitted on this machine and communication free), and a timeline PNG.
+
+    .venv/bin/python benchmarks/balance_matrix.py               # full matrix, updates docs/benchmarks.md
+    .venv/bin/python benchmarks/balance_matrix.py --quick       # a smoke run (small, not written to docs)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+METHODS = [("zero3", "lb-micro"), ("zero3", "local-sort"), ("odc", "lb-micro"), ("odc", "lb-mini")]
+WORLD = 2
+SCALE = 32  # LongAlign's lengths divided by this; the token cap (packing ratio 1) is 65,536 / SCALE
+FIT_LENGTHS = (64, 128, 256, 512, 1024, 2048)
+DOC_START, DOC_END = "<!-- balance_matrix:start -->", "<!-- balance_matrix:end -->"
+
+
+# -- ranks -----------------------------------------------------------------------------------------
+def _rank_main(rank, port, cell, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, _run_cell(rank, cell)))
+    except BaseException as error:  # report, never hang the parent
+        import traceback
+        queue.put((rank, {"error": f"{error!r}\n{traceback.format_exc()}"}))
+        raise
+
+
+def _ds_config(engine, metrics):
+    zero = {"stage": "odc", "odc": {"metrics": metrics}} if engine == "odc" else {"stage": 3}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False, "gradient_clipping": 1.0, "steps_per_print": 1_000_000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "weight_decay": 0.0}},
+            "zero_optimization": zero}
+
+
+def _run_cell(rank, cell):
+    import deepspeed
+    import ds_odc  # noqa: F401
+    import ds_odc.metrics
+    from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=cell["token_cap"]),
+                                      config=_ds_config(cell["engine"], cell["metrics"]))
+    recorder = ds_odc.metrics.attach(engine) if cell["metrics"] else None
+    manual_walls = []
+    for step in cell["steps"]:
+        lengths, ids = step["lengths"], step["sample_ids"]
+        mine = step["micro_batches"][rank]
+        if cell["engine"] == "zero3":  # collectives need equal counts: pad with empty micro-batches
+            depth = max(len(r) for r in step["micro_batches"])
+            mine = mine + [None] * (depth - len(mine))
+        global_tokens = sum(lengths)
+        start = time.perf_counter()
+        for batch in mine:
+            if batch is None:
+                loss = loss_sum(engine, pack([make_sample(0, 1)])) * 0.0
+            else:
+                loss = loss_sum(engine, pack([make_sample(ids[i], lengths[i]) for i in batch])) / global_tokens
+            engine.backward(loss)
+        engine.step()
+        manual_walls.append(time.perf_counter() - start)
+    warmup = cell["warmup"]
+    reports = list(recorder.reports)[warmup:] if recorder else []
+    result = {"reports": [r if cell["keep_events"] else r.without_events() for r in reports],
+              "manual_walls": manual_walls[warmup:],
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    engine.destroy()
+    return result
+
+
+def run_cell(cell, timeout_s=1800):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, cell, queue), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(results) < WORLD:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell {cell['label']} did not finish in {timeout_s} s")
+            rank, result = queue.get(timeout=remaining)
+            if "error" in result:
+                raise RuntimeError(f"cell {cell['label']}, rank {rank} failed:\n{result['error']}")
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(WORLD)]
+
+
+# -- planning --------------------------------------------------------------------------------------
+def fit_cost_model(token_cap):
+    """Time single-sample forward+backward of the benchmark's model here, at lengths up to the cap."""
+    from ds_odc.balance import fit_cost_model as fit, forward_backward_timer
+    from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
+
+    torch.manual_seed(0)
+    model = PackedCausalLM(max_len=token_cap)
+    lengths = [n for n in FIT_LENGTHS if n <= token_cap] or [token_cap]
+    lengths = sorted(set(lengths + [max(1, token_cap // 4), max(1, token_cap // 2), token_cap]))
+    return fit(forward_backward_timer(lambda n: loss_sum(model, pack([make_sample(0, n)])).backward()),
+               lengths, repeats=3)
+
+
+def workload_steps(kind, samples_per_rank, count, seed=0, scale=SCALE):
+    """``count`` global minibatches: lists of (sample id, length), identical for every method."""
+    from packed_lm import longalign_like_lengths
+
+    size = samples_per_rank * WORLD
+    lengths = longalign_like_lengths(size * count, scale, seed=seed)
+    if kind == "balanced":
+        lengths = [round(statistics.mean(lengths))] * len(lengths)
+    return [[(start + i, lengths[start + i]) for i in range(size)] for start in range(0, size * count, size)]
+
+
+def plan_cell(engine, policy, minibatches, cost_model, token_cap):
+    from ds_odc.balance import plan_minibatch
+
+    steps, plans = [], []
+    for number, minibatch in enumerate(minibatches):
+        lengths = [length for _, length in minibatch]
+        plan = plan_minibatch(lengths, WORLD, token_cap, policy, cost_model, seed=number)
+        plans.append(plan)
+        steps.append({"lengths": lengths, "sample_ids": [sid for sid, _ in minibatch],
+                      "micro_batches": [[list(b) for b in rank] for rank in plan.micro_batches]})
+    return steps, plans
+
+
+# -- reporting -------------------------------------------------------------------------------------
+def step_seconds(results):
+    """Per measured step: last rank's step end minus first rank's first micro-batch start."""
+    per_rank = [r["reports"] for r in results]
+    return [max(r.start + r.wall_s for r in group) - min(r.start for r in group) for group in zip(*per_rank)]
+
+
+def summarise(cell, results, plans, baseline_plans):
+    seconds = step_seconds(results)
+    samples = WORLD * cell["samples_per_rank"]
+    from ds_odc.metrics import utilisation
+    measured_plans = plans[cell["warmup"]:]
+    measured_baseline = baseline_plans[cell["warmup"]:]
+    collective = sum(p.collective_step_cost() for p in measured_baseline)
+    own = sum(p.collective_step_cost() if cell["engine"] == "zero3" else p.odc_step_cost() for p in measured_plans)
+    return {"label": cell["label"], "workload": cell["workload"], "samples_per_rank": cell["samples_per_rank"],
+            "engine": cell["engine"], "policy": cell["policy"], "step_seconds": seconds,
+            "samples_per_s": samples / statistics.median(seconds),
+            "utilisation": [utilisation(r["reports"]) for r in results],
+            "peak_rss_mib": [r["peak_rss_mib"] for r in results],
+            "balance_bound": collective / own if own else float("nan"),
+            "micro_batches": [[len(rank) for rank in p.micro_batches] for p in measured_plans],
+            "steps": [{"lengths": list(p.lengths), "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
+                      for p in measured_plans]}
+
+
+def markdown(rows, cost_model, command, overhead):
+    lines = [f"Command: `{command}` (2 ranks, 1 thread each, fresh processes per cell).", "",
+             f"Cost model fitted on this machine (`fit_cost_model`, single-sample fwd+bwd at {list(FIT_LENGTHS)} "
+             f"tokens): {cost_model.quadratic:.3e}·s² + {cost_model.linear:.3e}·s + {cost_model.per_micro_batch:.3e} "
+             "s per micro-batch.", "",
+             "| workload | samples/rank | method | samples/s | vs ZeRO-3+LB-Micro | balance bound | % of bound "
+             "| utilisation r0 / r1 | peak RSS MiB r0 / r1 | micro-batches per rank (first measured step) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    baseline = {(r["workload"], r["samples_per_rank"]): r for r in rows
+                if (r["engine"], r["policy"]) == ("zero3", "lb-micro")}
+    for r in rows:
+        base = baseline[(r["workload"], r["samples_per_rank"])]
+        ratio = r["samples_per_s"] / base["samples_per_s"]
+        bound = r["balance_bound"]
+        method = f"{'ZeRO-3' if r['engine'] == 'zero3' else 'ODC'} + {r['policy']}"
+        lines.append(f"| {r['workload']} | {r['samples_per_rank']} | {method} | {r['samples_per_s']:.3f} | "
+                     f"{ratio:.3f}× | {bound:.3f}× | {100 * ratio / bound:.0f}% | "
+                     f"{' / '.join(f'{100 * u:.1f}%' for u in r['utilisation'])} | "
+                     f"{' / '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | {r['micro_batches'][0]} |")
+    if overhead:
+        lines += ["", f"Metrics overhead (ODC + LB-Mini, long-tailed, 4 samples/rank, median step wall of rank 0): "
+                      f"recorder on {overhead['on']:.3f} s, off {overhead['off']:.3f} s "
+                      f"({100 * (overhead['on'] / overhead['off'] - 1):+.1f}%)."]
+    return "\n".join(lines)
+
+
+def update_docs(path, section):
+    with open(path) as doc:
+        text = doc.read()
+    block = f"{DOC_START}\n{section}\n{DOC_END}"
+    if DOC_START in text:
+        text = text[:text.index(DOC_START)] + block + text[text.index(DOC_END) + len(DOC_END):]
+    else:
+        text = text.rstrip() + "\n\n## Balancers: ZeRO-3 vs ODC under long-tailed lengths\n\n" + block + "\n"
+    with open(path, "w") as doc:
+        doc.write(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 measured steps, 1 and 4 samples/rank; no docs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a seconds-long check of the pipeline (1/256 scale, 2 methods, 1 step); no docs")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per cell")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    steps = 1 if args.smoke else 2 if args.quick else args.steps
+    scale = 256 if args.smoke else SCALE
+    token_cap = 65_536 // scale
+    methods = [("zero3", "lb-micro"), ("odc", "lb-mini")] if args.smoke else METHODS
+    grid = [("long-tailed", 4)] if args.smoke else \
+        [("long-tailed", b) for b in ((1, 4) if args.quick else (1, 2, 4, 8))] + [("balanced", 4)]
+    os.makedirs(args.results, exist_ok=True)
+
+    print("fitting the cost model ...", flush=True)
+    cost_model = fit_cost_model(token_cap)
+    print(f"  {cost_model}", flush=True)
+    rows, timeline_runs, overhead = [], {}, {}
+    for workload, per_rank in grid:
+        minibatches = workload_steps(workload, per_rank, args.warmup + steps, seed=per_rank, scale=scale)
+        baseline_steps, baseline_plans = plan_cell("zero3", "lb-micro", minibatches, cost_model, token_cap)
+        for engine, policy in methods:
+            label = f"{workload} b={per_rank} {engine}+{policy}"
+            plan_steps, plans = plan_cell(engine, policy, minibatches, cost_model, token_cap)
+            keep_events = workload == "long-tailed" and per_rank == 4 and policy in ("lb-micro", "lb-mini") and \
+                (engine, policy) in (("zero3", "lb-micro"), ("odc", "lb-mini"))
+            cell = {"label": label, "workload": workload, "samples_per_rank": per_rank, "engine": engine,
+                    "policy": policy, "steps": plan_steps, "warmup": args.warmup, "metrics": True,
+                    "keep_events": keep_events, "token_cap": token_cap}
+            started = time.perf_counter()
+            results = run_cell(cell)
+            row = summarise(cell, results, plans, baseline_plans)
+            rows.append(row)
+            print(f"{label:42s} {row['samples_per_s']:.3f} samples/s  bound {row['balance_bound']:.3f}x  "
+                  f"util {[round(u, 3) for u in row['utilisation']]}  ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+            if keep_events:
+                title = "ZeRO-3 + LB-Micro" if engine == "zero3" else "ODC + LB-Mini"
+                timeline_runs[title] = [rep for r in results for rep in r["reports"]]
+            if keep_events and engine == "odc" and not args.smoke:
+                off = run_cell(dict(cell, metrics=False, label=label + " (metrics off)"))
+                overhead = {"on": statistics.median(results[0]["manual_walls"]),
+                            "off": statistics.median(off[0]["manual_walls"])}
+
+    from ds_odc.metrics import plot_timelines
+    writes_docs = not (args.quick or args.smoke)
+    png = os.path.join(ROOT, "docs", "timeline_long_tailed_b4.png") if writes_docs else \
+        os.path.join(args.results, "timeline.png")
+    if timeline_runs:
+        plot_timelines(timeline_runs, png, "2 CPU ranks, LongAlign-like lengths (1/32 scale), 4 samples per rank")
+    command = "python benchmarks/balance_matrix.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
+    section = markdown(rows, cost_model, command, overhead)
+    if timeline_runs:
+        section += f"\n\n![per-rank timelines]({os.path.relpath(png, os.path.dirname(args.docs))})"
+    with open(os.path.join(args.results, "balance_matrix.json"), "w") as out:
+        json.dump({"cost_model": {"quadratic": cost_model.quadratic, "linear": cost_model.linear,
+                                  "per_micro_batch": cost_model.per_micro_batch},
+                   "comm": {}, "runs": rows, "metrics_overhead": overhead}, out, indent=1)
+    with open(os.path.join(args.results, "balance_matrix.md"), "w") as out:
+        out.write(section + "\n")
+    if writes_docs:
+        update_docs(args.docs, section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
