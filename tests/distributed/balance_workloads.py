@@ -2,6 +2,7 @@
 balanced batch sampler, and straggler runs that the step recorder must explain."""
 from __future__ import annotations
 
+import logging
 import time
 
 import deepspeed
@@ -73,11 +74,27 @@ def reference_balanced(step_members, lr=1e-2, clip=1.0):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def straggler_timeline(stage, sleep_s: float, counts=(1, 1), metrics=True, steps=2):
-    """Rank 1 sleeps in each forward; every rank returns its last step report (no events)."""
+class _Lines(logging.Handler):
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def straggler_timeline(stage, sleep_s: float, counts=(1, 1), metrics=True, steps=2, log_interval=0):
+    """Rank 1 sleeps in each forward; every rank returns its last step report (no events) and the
+    metrics lines DeepSpeed's logger printed."""
     rank = tdist.get_rank()
-    zero = {"odc": {"metrics": metrics}} if stage == "odc" else {}
-    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(stage, managed=False, **zero))
+    captured = _Lines()
+    deepspeed.utils.logger.addHandler(captured)
+    zero = {"odc": {"metrics": metrics, "metrics_log_interval": log_interval}} if stage == "odc" else {}
+    config = ds_config(stage, managed=False, **zero)
+    if log_interval:
+        config["log_level"] = "info"  # DeepSpeed's logger shows info lines only when asked to
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
     if stage != "odc":
         ds_odc.metrics.attach(engine)
     if rank == 1:
@@ -91,4 +108,6 @@ def straggler_timeline(stage, sleep_s: float, counts=(1, 1), metrics=True, steps
     report = None if recorder is None else recorder.last.without_events()
     reports_kept = 0 if recorder is None else len(recorder.reports)
     engine.destroy()
-    return {"report": report, "steps_recorded": reports_kept}
+    deepspeed.utils.logger.removeHandler(captured)
+    return {"report": report, "steps_recorded": reports_kept,
+            "log_lines": [line for line in captured.lines if line.startswith("odc metrics:")]}

@@ -36,10 +36,13 @@ def test_step_reports_show_where_the_straggler_makes_others_wait():
         assert parts <= report.wall_s * (1 + 1e-9)
 
 
-def test_uneven_counts_are_recorded_and_metrics_can_be_switched_off():
-    on = run_ranks(straggler_timeline, 2, "odc", 0.0, (1, 3))
+def test_uneven_counts_are_recorded_logged_and_metrics_can_be_switched_off():
+    on = run_ranks(straggler_timeline, 2, "odc", 0.0, (1, 3), True, 3, 2)  # 3 steps, a log line every 2
     assert [r["report"].micro_batches for r in on] == [1, 3]
-    assert [r["steps_recorded"] for r in on] == [2, 2]
+    assert [r["steps_recorded"] for r in on] == [3, 3]
+    for rank, result in enumerate(on):
+        assert [line.split(" | ")[0] for line in result["log_lines"]] == \
+            [f"odc metrics: step 0 rank {rank}", f"odc metrics: step 2 rank {rank}"]
     off = run_ranks(straggler_timeline, 2, "odc", 0.0, (1, 3), False)
     assert [r["report"] for r in off] == [None, None]
 
