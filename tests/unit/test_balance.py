@@ -126,8 +126,8 @@ def test_fit_on_a_real_attention_layer_grows_with_length():
         layer(torch.randn(1, length, 32)).sum().backward()
 
     from ds_odc.balance import forward_backward_timer
-    model = fit_cost_model(forward_backward_timer(run), [16, 64, 128, 256], repeats=3)
-    assert model.micro_batch_cost([256]) > model.micro_batch_cost([16])
+    model = fit_cost_model(forward_backward_timer(run), [32, 128, 256, 512], repeats=5)
+    assert model.micro_batch_cost([512]) > model.micro_batch_cost([32])
 
 
 def test_sampler_yields_each_rank_its_micro_batches_and_covers_the_epoch_once():
