@@ -27,11 +27,14 @@ MARKER_KEY = "odc"
 class ODCConfig(BaseModel):
     """Options of the "odc" stage (``zero_optimization.odc`` in the ds_config)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # strict: "5" or true is not 5.0
 
-    transport: Literal["auto", "shm"] = "auto"
-    """Where shards live. "auto" picks by device ("shm" for CPU tensors). "shm": shared-memory
-    windows, all ranks on one host. Default "auto"."""
+    transport: Literal["auto", "shm", "cuda_ipc"] = "auto"
+    """Where shards live. "auto" picks by device ("shm" for CPU tensors, "cuda_ipc" for CUDA
+    tensors). "shm": shared-memory windows, all ranks on one host. "cuda_ipc": GPU-memory windows
+    mapped by CUDA IPC, all ranks on one node, GPUs joined by NVLink (or ranks sharing one GPU);
+    its CUDA operator is JIT-built with ninja on first use. A transport that does not serve the
+    model's device fails at initialize. Default "auto"."""
 
     timeout_s: float = Field(60.0, gt=0, le=86400)
     """How long a rank waits on a peer that makes no progress (no pull or push; or a stripe lock held)
@@ -58,6 +61,15 @@ class ODCConfig(BaseModel):
     in managed mode; the caller's own scaling averaged over ranks otherwise), switching to per-token
     for micro-batches that report ``loss_tokens``. "token": every backward must report its token
     count; the summed loss gradient is divided by the global token count. Default "auto"."""
+
+    metrics: bool = True
+    """Record each rank's step timeline (compute per micro-batch, pull, push, step wait, optimizer;
+    see README, "Metrics"), available as ``engine.odc_metrics``. Costs two clock reads per module
+    fetch and per gradient bucket. Default true."""
+
+    metrics_log_interval: int = Field(0, ge=0)
+    """Log every rank's step report (one line, through DeepSpeed's logger at info level, so with the
+    ds_config's ``"log_level": "info"``) every this many steps; 0 (default) never logs."""
 
     @field_validator("shm_dir")
     @classmethod
@@ -91,6 +103,14 @@ def _check_compatibility(ds_config: dict) -> None:
     fp16 = ds_config.get("fp16", {})
     if isinstance(fp16, dict) and fp16.get("enabled") not in (False, None, "auto"):
         raise ODCConfigError("fp16.enabled=true: the odc stage supports fp32 and bf16 only; use bf16")
+    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if isinstance(autotp, int) and autotp > 1:
+        raise ODCConfigError(f"tensor_parallel.autotp_size={autotp}: tensor parallelism is not supported with the "
+                             "odc stage yet (every rank must be a data-parallel rank)")
+    sequence = ds_config.get("sequence_parallel_size", 1)
+    if isinstance(sequence, int) and sequence > 1:
+        raise ODCConfigError(f"sequence_parallel_size={sequence}: sequence parallelism is not supported with the "
+                             "odc stage yet (every rank must be a data-parallel rank)")
 
 
 def parse_options(options: Optional[dict]) -> ODCConfig:
@@ -99,8 +119,11 @@ def parse_options(options: Optional[dict]) -> ODCConfig:
         options = {}
     if not isinstance(options, dict):
         raise ODCConfigError(f"zero_optimization.odc must be a dict of options, got {type(options).__name__}")
+    if "enabled" in options:
+        raise ODCConfigError(f"zero_optimization.odc.enabled={options['enabled']!r}: not an option; the stage value "
+                             'switches ODC on and off ("stage": "odc" or "stage": 3)')
     try:
-        return ODCConfig(**{k: v for k, v in options.items() if k != "enabled"})
+        return ODCConfig(**options)
     except ValidationError as err:
         problems = "; ".join(
             f"zero_optimization.odc.{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
@@ -117,6 +140,24 @@ def is_odc_config(ds_config: Any) -> bool:
     return stage == ODC_STAGE or (MARKER_KEY in ds_config and stage in (3, "3"))
 
 
+def _check_stage_value(ds_config: Any) -> None:
+    """A misspelt stage, or ODC options next to another stage, fails naming the field (DeepSpeed's
+    own messages list neither "odc" nor the reason)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    if not isinstance(zero, dict):
+        return
+    stage = zero.get("stage")
+    # "auto" is accelerate's placeholder, filled in later with the plugin's stage
+    if isinstance(stage, str) and stage not in (ODC_STAGE, "auto") and not stage.strip().isdigit():
+        raise ODCConfigError(f"zero_optimization.stage={stage!r}: allowed values are 0, 1, 2, 3 and \"odc\"")
+    if MARKER_KEY in zero and stage != ODC_STAGE:
+        raise ODCConfigError(f"zero_optimization.odc is set but zero_optimization.stage={stage!r}: the odc options "
+                             'need "stage": "odc" (or remove them)')
+    if MARKER_KEY in ds_config and stage not in (3, "3", ODC_STAGE):
+        raise ODCConfigError(f"odc options with zero_optimization.stage={stage!r}: the odc stage needs "
+                             '"stage": "odc"')
+
+
 def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     """Rewrite an "odc" ds_config *in place* to the canonical form and return its options.
 
@@ -127,6 +168,7 @@ def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     >>> canonicalize(cfg).timeout_s, cfg["zero_optimization"]["stage"], cfg["odc"]["timeout_s"]
     (5.0, 3, 5.0)
     """
+    _check_stage_value(ds_config)
     if not is_odc_config(ds_config):
         return None
     zero = ds_config["zero_optimization"]
@@ -137,5 +179,7 @@ def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     else:
         options = parse_options(ds_config.get(MARKER_KEY))
     _check_compatibility(ds_config)
-    ds_config[MARKER_KEY] = options.model_dump()
+    # Defaults left out: accelerate treats every "auto" string in a ds_config as a placeholder it must
+    # fill (and raises for keys it does not know), and "auto" is the default of two options.
+    ds_config[MARKER_KEY] = options.model_dump(exclude_defaults=True)
     return options

@@ -17,7 +17,10 @@ Replaced, each by one override below:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -82,7 +85,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
         transport = create_transport(self.odc_options.transport, rank=dist.get_rank(group=self.dp_process_group),
                                      world_size=world, timeout_s=self.odc_options.timeout_s,
-                                     device=self.lp_param_buffer.device.type, shm_dir=self.odc_options.shm_dir,
+                                     device=str(self.lp_param_buffer.device), shm_dir=self.odc_options.shm_dir,
                                      stripe_numel=self.odc_options.accumulator_stripe_numel)
         accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]
         transport.allocate(WindowSpec(layout.param_numel, compute_dtype, layout.grad_numel,
@@ -117,9 +120,13 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     @torch.no_grad()
     def _odc_push_bucket(self, communication_data_type: torch.dtype) -> None:
         bucket = self.ipg_buckets[communication_data_type]
-        for param in bucket.params:
-            self.odc.push(param.ds_id, param.grad.reshape(-1))
-            param.grad = None
+        # On GPU, push on ZeRO-3's reduce side stream, where its reduce-scatter ran: the bucket was filled
+        # on that stream, its next fill is ordered after these pushes, and compute does not wait for them.
+        stream = self.reduce_and_partition_stream  # None on CPU
+        with contextlib.nullcontext() if stream is None else get_accelerator().stream(stream):
+            for param in bucket.params:
+                self.odc.push(param.ds_id, param.grad.reshape(-1))
+                param.grad = None
         bucket.params.clear()
         bucket.elements = 0
         bucket.process_group = None

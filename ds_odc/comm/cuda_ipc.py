@@ -1,0 +1,211 @@
+"""The ``cuda_ipc`` transport: one-sided windows in GPU memory, for the ranks of one node.
+
+Per rank, created once in :meth:`CudaIpcTransport.allocate`: a parameter window (compute dtype)
+and a gradient accumulator (fp32 or fp64), each one ``cudaMalloc`` whose IPC handle is exchanged
+once; every rank maps every peer's windows. The step rendezvous runs on the host, over the same
+shared-memory control blocks as the ``shm`` transport (``rendezvous.py``): a fence is a handful of
+float stores, and dead or stuck peers are detected there exactly as on CPU.
+
+* **pull** = ``out.copy_(peer_window[offset:offset+n])`` on a dedicated pull stream, which first
+  waits for the caller's stream (``out`` is ready) and which the caller's stream then waits for
+  (``out`` is filled). A copy between device memory and a peer mapping is a DMA by the copy
+  engines: no SM is taken from compute. ZeRO-3's prefetch issues it early, so it overlaps compute.
+* **push** = one kernel (``ops/csrc/odc_kernels.cu``) on the caller's stream that adds the
+  gradient slice (bf16/fp16/fp32, converted in registers) into the owner's accumulator through the
+  mapping with system-scope atomic reductions: no staging buffer, no daemon, no host polling, no
+  acknowledgement, and the host returns at once. The caller picks the stream: the ODC optimizer
+  pushes on ZeRO-3's reduce side stream (where its reduce-scatter ran), so pushes overlap the rest
+  of backward, while ZeRO-3's own stream ordering keeps its gradient bucket from being refilled
+  before the kernel has read it. The gradient's memory is kept from reuse by the allocator until
+  then too (``record_stream``).
+* **step** = every :meth:`exchange` first synchronises this rank's device (all its pulls and
+  pushes complete, its own writes to its windows done), then runs the host rendezvous. After the
+  fence round every push of every rank has completed, so each owner's accumulator holds the sum.
+
+Memory per rank: its two windows; peers' windows are mappings, not copies; no staging at all.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import torch
+import torch.distributed as tdist
+
+from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
+from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
+from ds_odc.comm.rendezvous import StepRendezvous, control_numel, pid_alive
+from ds_odc.comm.shm_segment import create_segment, map_segment, segment_path, unlink_quietly
+from ds_odc.comm.transport import Transport, WindowSpec
+
+#: Gradient dtypes the push kernel reads directly; others are converted to fp32 first.
+PUSHABLE = (torch.float32, torch.bfloat16, torch.float16)
+#: Longest a closing rank waits for live peers to unmap its windows before it frees them.
+CLOSE_WAIT_S = 10.0
+#: Windows a live peer may still map when their owner closed: kept until process exit rather than
+#: freed under the peer (freeing exported memory that another process maps is undefined in CUDA).
+_KEPT_FOR_PEERS: list = []
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, device: torch.device | str | int,
+                 shm_dir: str = "/dev/shm", group=None, push_threads: int = DEFAULT_THREADS,
+                 push_max_blocks: int = DEFAULT_MAX_BLOCKS):
+        super().__init__(rank, world_size, timeout_s)
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaIpcTransport needs a CUDA device, got {device}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        self.shm_dir = shm_dir
+        self.group = group
+        self.push_threads = push_threads
+        self.push_max_blocks = push_max_blocks
+        self._ops = None  # the compiled operator, loaded (built on first use) by allocate()
+        self._param_windows: list = []
+        self._grad_windows: list = []
+        self._controls: list = []
+        self._own: tuple = ()
+        self._exported = False  # peers may hold our IPC handles (and so may have mapped our windows)
+        self._rendezvous: StepRendezvous | None = None
+        self._pull_stream = None
+        self._closed = False
+
+    # -- allocation (collective, once) ---------------------------------------------------------
+    def allocate(self, spec: WindowSpec) -> None:
+        from ds_odc.ops_builder import CUDA_IPC, load_op
+
+        self._ops = load_op(CUDA_IPC)  # JIT-built with ninja on first use, cached afterwards
+        index = self.device.index
+        me = RankDevice(socket.gethostname(), os.getpid(), device_uuid(index))
+        devices = [None] * self.world_size
+        tdist.all_gather_object(devices, me, group=self.group)
+        local_uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
+        resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
+        session = self._agree_on_session()
+        width = control_numel(spec.exchange_width)
+        ctrl = segment_path(self.shm_dir, session, self.rank, "ctrl")
+        param_bytes = spec.param_numel * _itemsize(spec.param_dtype)
+        grad_bytes = spec.grad_numel * _itemsize(spec.grad_dtype)
+        try:
+            create_segment(ctrl, (width + 1) * 8)
+            own_params, params_handle = self._ops.alloc_window(param_bytes, index)
+            own_grads, grads_handle = self._ops.alloc_window(grad_bytes, index)
+            self._own = (own_params, own_grads)
+            handles = [None] * self.world_size
+            self._exported = True
+            tdist.all_gather_object(handles, (params_handle, grads_handle), group=self.group)
+            for peer in range(self.world_size):
+                self._controls.append(map_segment(segment_path(self.shm_dir, session, peer, "ctrl"), width + 1,
+                                                  torch.float64))
+                if peer == self.rank:
+                    params, grads = own_params, own_grads
+                else:
+                    params = self._ops.open_window(handles[peer][0], param_bytes, index)
+                    grads = self._ops.open_window(handles[peer][1], grad_bytes, index)
+                self._param_windows.append(params.view(spec.param_dtype))
+                self._grad_windows.append(grads.view(spec.grad_dtype))
+            tdist.barrier(group=self.group)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            unlink_quietly(ctrl)
+        self._pull_stream = torch.cuda.Stream(device=self.device)
+        blocks = [block.narrow(0, 0, width) for block in self._controls]
+        self._rendezvous = StepRendezvous(self.rank, blocks, spec.exchange_width, self.timeout_s)
+
+    def _agree_on_session(self) -> str:
+        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        tdist.broadcast_object_list(box, src=tdist.get_global_rank(self.group, 0) if self.group else 0,
+                                    group=self.group)
+        return box[0]
+
+    # -- one-sided access ------------------------------------------------------------------------
+    def local_param_window(self) -> torch.Tensor:
+        return self._param_windows[self.rank]
+
+    def local_grad_accumulator(self) -> torch.Tensor:
+        return self._grad_windows[self.rank]
+
+    def _check_device(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.device != self.device:
+            raise ValueError(f"cuda_ipc transport of rank {self.rank} lives on {self.device}; {what} is on "
+                             f"{tensor.device}")
+
+    def read(self, owner: int, offset: int, out: torch.Tensor) -> None:
+        self._check_device(out, "the pull destination")
+        source = self._param_windows[owner].narrow(0, offset, out.numel())
+        current = torch.cuda.current_stream(self.device)
+        self._pull_stream.wait_stream(current)
+        with torch.cuda.stream(self._pull_stream):
+            out.copy_(source.view(out.shape))
+        current.wait_stream(self._pull_stream)
+
+    def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
+        self._check_device(grad, "the gradient")
+        grad = grad.reshape(-1)
+        if grad.dtype not in PUSHABLE:
+            grad = grad.float()
+        grad = grad.contiguous()
+        if grad.numel() == 0:
+            return
+        target = self._grad_windows[owner].narrow(0, offset, grad.numel())
+        plan = push_plan(target.data_ptr(), grad.data_ptr(), grad.numel(), target.element_size(),
+                         grad.element_size(), threads=self.push_threads, max_blocks=self.push_max_blocks)
+        with torch.cuda.device(self.device):  # the op launches on the current stream of this device
+            self._ops.scatter_add(target, grad, plan.head, plan.groups, plan.vector_loads, plan.blocks, plan.threads)
+        grad.record_stream(torch.cuda.current_stream(self.device))  # not reused before the kernel read it
+
+    def heartbeat(self) -> None:
+        self._rendezvous.heartbeat()
+
+    def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        self.exchanges += 1
+        torch.cuda.synchronize(self.device)  # this rank's pushes, pulls and window writes have completed
+        return self._rendezvous.exchange(values.detach().to("cpu", torch.float64).reshape(-1), what)
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._own:
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a faulted context cannot be synchronised; release anyway
+                pass
+        self._param_windows.clear()  # drops the peer mappings (cudaIpcCloseMemHandle)
+        self._grad_windows.clear()
+        self._rendezvous = None
+        mapped_every_peer = len(self._controls) == self.world_size
+        if self._own and self._exported and (not mapped_every_peer or not self._peers_unmapped()):
+            _KEPT_FOR_PEERS.append(self._own)
+        self._own = ()
+        self._controls.clear()
+
+    def _peers_unmapped(self) -> bool:
+        """Mark our mappings of peers closed; wait (bounded) until every live peer has closed its
+        mappings of ours, so that freeing our windows is safe."""
+        flag = self._controls[0].numel() - 1
+        self._controls[self.rank][flag] = 1.0
+        deadline = time.monotonic() + min(self.timeout_s, CLOSE_WAIT_S)
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        while pending:
+            pending = [r for r in pending
+                       if self._controls[r][flag].item() != 1.0 and pid_alive(int(self._controls[r][0].item()))]
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(1e-3)
+        return not pending
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
