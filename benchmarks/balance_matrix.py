@@ -185,8 +185,32 @@ def summarise(cell, results, plans, baseline_plans):
             "peak_rss_mib": [r["peak_rss_mib"] for r in results],
             "balance_bound": collective / own if own else float("nan"),
             "micro_batches": [[len(rank) for rank in p.micro_batches] for p in measured_plans],
+            "per_micro_batch_s": _per_micro_batch(results),
             "steps": [{"lengths": list(p.lengths), "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
                       for p in measured_plans]}
+
+
+def _per_micro_batch(results):
+    """Median communication and fixed costs of this cell, for the simulator (``ds_odc.sim``)."""
+    steps = list(zip(*(r["reports"] for r in results)))
+
+    def least(group, field):  # the rank that waited least: closest to the transfer cost alone
+        return min(getattr(rep, field) / max(rep.micro_batches, 1) for rep in group)
+    return {"gather": statistics.median(least(group, "gather_s") for group in steps),
+            "reduce": statistics.median(least(group, "reduce_s") for group in steps),
+            "optimizer": statistics.median(rep.optimizer_s for group in steps for rep in group),
+            "least_step_wait": statistics.median(min(rep.step_wait_s for rep in group) for group in steps)}
+
+
+def measured_comm(rows):
+    """Communication constants in the form the simulator reads, medians over the cells of each engine."""
+    def median_of(engine, key):
+        values = [r["per_micro_batch_s"][key] for r in rows if r["engine"] == engine]
+        return statistics.median(values) if values else 0.0
+    return {"layers": 4, "gather_per_micro_batch": median_of("zero3", "gather"),
+            "reduce_per_micro_batch": median_of("zero3", "reduce"),
+            "pull_per_micro_batch": median_of("odc", "gather"), "push_per_micro_batch": median_of("odc", "reduce"),
+            "optimizer": median_of("odc", "optimizer"), "fence": median_of("odc", "least_step_wait")}
 
 
 def markdown(rows, cost_model, command, overhead):
@@ -289,7 +313,7 @@ def main():
     with open(os.path.join(args.results, "balance_matrix.json"), "w") as out:
         json.dump({"cost_model": {"quadratic": cost_model.quadratic, "linear": cost_model.linear,
                                   "per_micro_batch": cost_model.per_micro_batch},
-                   "comm": {}, "runs": rows, "metrics_overhead": overhead}, out, indent=1)
+                   "comm": measured_comm(rows), "runs": rows, "metrics_overhead": overhead}, out, indent=1)
     with open(os.path.join(args.results, "balance_matrix.md"), "w") as out:
         out.write(section + "\n")
     if writes_docs:

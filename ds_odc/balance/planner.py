@@ -108,7 +108,7 @@ def plan_minibatch(lengths: Sequence[int], world_size: int, token_cap: int, poli
     elif policy == "lb-micro":
         batches = _lb_micro(lengths, costs, world_size, token_cap, order)
     else:
-        batches = _lb_mini(lengths, costs, world_size, token_cap, order)
+        batches = _lb_mini(lengths, costs, world_size, token_cap, order, model)
     plan = Plan(policy, lengths, token_cap, model, tuple(tuple(tuple(b) for b in r) for r in batches))
     plan.validate()
     return plan
@@ -119,26 +119,35 @@ def _balanced_shares(costs, world_size, order, equal_size):
     return refine(costs, shares, equal_size=equal_size)
 
 
-def _lb_mini(lengths, costs, world_size, token_cap, order):
-    candidates = [_balanced_shares(costs, world_size, order, equal_size) for equal_size in (False, True)]
-    shares = min(candidates, key=lambda s: _spread_key(costs, s))
-    _give_every_rank_a_sample(shares, costs)
-    return [pack(share, lengths, costs, token_cap, order) for share in shares]
+def _lb_mini(lengths, costs, world_size, token_cap, order, model):
+    """Balance totals with and without equal counts, pack each rank on its own, and keep the best
+    plan by the ODC step cost *including* each micro-batch's fixed cost (which packing decides);
+    LB-Micro's plan is a candidate too, so LB-Mini is never worse than it for ODC."""
+    unequal = _balanced_shares(costs, world_size, order, equal_size=False)
+    _give_every_rank_a_sample(unequal, costs)
+    equal = _balanced_shares(costs, world_size, order, equal_size=True)
+    candidates = [[pack(share, lengths, costs, token_cap, order) for share in shares] for shares in (unequal, equal)]
+    candidates.append(_pack_same_count(equal, lengths, costs, token_cap, order))
+    return min(candidates, key=lambda plan: _odc_cost_key(plan, costs, model))
+
+
+def _odc_cost_key(batches, costs, model):
+    totals = [sum(sum(costs[i] for i in batch) + model.per_micro_batch for batch in rank) for rank in batches]
+    return (max(totals), max(totals) - min(totals))
 
 
 def _lb_micro(lengths, costs, world_size, token_cap, order):
-    shares = _balanced_shares(costs, world_size, order, equal_size=True)
+    return _pack_same_count(_balanced_shares(costs, world_size, order, equal_size=True), lengths, costs, token_cap,
+                            order)
+
+
+def _pack_same_count(shares, lengths, costs, token_cap, order):
     count = max(minimal_micro_batches(share, lengths, token_cap) for share in shares)
     while True:
         attempt = [split_into(share, min(count, len(share)), lengths, costs, token_cap, order) for share in shares]
         if all(batches is not None for batches in attempt):
             return attempt
         count += 1  # every rank moves to one more micro-batch together, as the counts must agree
-
-
-def _spread_key(costs, shares):
-    sums = [sum(costs[i] for i in share) for share in shares]
-    return (max(sums), max(sums) - min(sums))
 
 
 def _give_every_rank_a_sample(shares, costs):

@@ -63,10 +63,11 @@ def test_partition_is_near_optimal_against_brute_force():
         assert optimal >= 0.95 * cases, (equal_size, optimal)
 
 
-def test_lb_micro_equal_counts_and_lb_mini_never_worse_for_odc():
+@pytest.mark.parametrize("per_micro_batch", [0.0, 0.5, 5.0])
+def test_lb_micro_equal_counts_and_lb_mini_never_worse_for_odc(per_micro_batch):
     for seed in range(10):
         lengths = long_tailed(16, 2048, seed)
-        model = CostModel.quadratic_linear(2.0, 2.6, 1000)
+        model = CostModel(quadratic=2.0 / 1000 ** 2, linear=2.6 / 1000, per_micro_batch=per_micro_batch)
         micro = plan_minibatch(lengths, 4, 2048, "lb-micro", model, seed)
         mini = plan_minibatch(lengths, 4, 2048, "lb-mini", model, seed)
         assert [sum(len(b) for b in rank) for rank in micro.micro_batches] == [4, 4, 4, 4]
