@@ -125,7 +125,7 @@ def test_fit_on_a_real_attention_layer_grows_with_length():
     layer = torch.nn.TransformerEncoderLayer(64, 2, 128, batch_first=True)
 
     def run(length):
-        layer(torch.randn(1, length, 32)).sum().backward()
+        layer(torch.randn(1, length, 64)).sum().backward()
 
     from ds_odc.balance import forward_backward_timer
     model = fit_cost_model(forward_backward_timer(run), [64, 256, 512, 1024], repeats=7)
