@@ -9,7 +9,11 @@ import json
 import os
 import sys
 
-from ds_odc.config import ODCConfig
+from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, ODCConfig
+
+#: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
+_UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",
+                          "sequence_parallel_size > 1")
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config_schemas",
                            "odc.schema.json")
@@ -27,6 +31,11 @@ def _field_docs() -> dict:
     return docs
 
 
+def _incompatible() -> str:
+    zero = sorted({f"zero_optimization.{key}" for key, _, _ in _UNSUPPORTED_ZERO_OPTIONS})
+    return ", ".join(zero + list(_UNSUPPORTED_ELSEWHERE))
+
+
 def generate() -> dict:
     options = ODCConfig.model_json_schema()
     for name, doc in _field_docs().items():
@@ -42,11 +51,18 @@ def generate() -> dict:
                 "properties": {
                     "stage": {
                         "description": 'ZeRO stage. ds_odc adds the value "odc": ZeRO-3 partitioning with '
-                                       "one-sided pulls and pushes and a single synchronisation per step.",
+                                       "one-sided pulls and pushes and a single synchronisation per step. "
+                                       'Rejected at deepspeed.initialize together with "odc" (naming the field): '
+                                       f"{_incompatible()}.",
                         "anyOf": [{"enum": [0, 1, 2, 3]}, {"const": "odc"}],
                     },
                     "odc": {"$ref": "#/$defs/ODCConfig"},
                 },
+            },
+            "odc": {
+                "description": 'Written by ds_odc, not by users: the canonical form of an "odc" config is '
+                               '"stage": 3 plus this top-level block (the options that differ from their defaults).',
+                "$ref": "#/$defs/ODCConfig",
             },
         },
         "$defs": {"ODCConfig": options},

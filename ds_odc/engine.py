@@ -20,6 +20,7 @@ from typing import Optional
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ds_odc.errors import ODCConfigError
+from ds_odc.integration.checkpoints import ODCCheckpointHooks
 from ds_odc.integration.engine_hooks import ODCEngineHooks
 from ds_odc.runtime import Normalisation, Phase, StepTotals
 
@@ -36,10 +37,19 @@ class _BackwardRule:
         return self.rule is Normalisation.TOKEN
 
 
-class ODCEngine(ODCEngineHooks, DeepSpeedEngine):
+class ODCEngine(ODCEngineHooks, ODCCheckpointHooks, DeepSpeedEngine):
     """See the module docstring. Build it with ``deepspeed.initialize``, not directly."""
 
     _odc_pending_tokens: Optional[int] = None
+    odc_metrics = None
+    """The :class:`~ds_odc.metrics.StepRecorder` of this rank (None with ``odc.metrics: false``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        options = getattr(self, "odc_options", None)
+        if options is not None and options.metrics and hasattr(self.optimizer, "odc"):
+            from ds_odc.integration.metrics_hooks import attach_recorder
+            attach_recorder(self, options.metrics_log_interval)
 
     # -- normalisation bookkeeping -----------------------------------------------------------------
     def set_loss_tokens(self, loss_tokens: int) -> None:

@@ -24,8 +24,9 @@ def test_causal_lm_example_under_the_deepspeed_launcher_leaves_no_shared_memory(
     """The DeepSpeed launcher also makes DeepSpeed create its CPU all-reduce buffers in /dev/shm;
     an ODC engine unlinks them once every rank has mapped them."""
     port = free_port()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    # PATH stays the caller's: with .venv/bin prepended, torch would build DeepSpeed's CPU comm op with
+    # the venv's ninja while every other run uses the system's, and each switch recompiles it (~50 s)
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
            os.path.join(ROOT, "examples", "train_causal_lm.py"), "--steps", "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -1,0 +1,157 @@
+"""``python -m ds_odc report``: what this environment can run, in the spirit of ``ds_report``.
+
+Three sections: the versions of ds_odc and of what it integrates with; the transports (which are
+usable on this machine and, for the others, why not); the compiled operators (built, buildable,
+or why not). It only inspects: nothing is compiled, no process group or window is created, and
+optional packages (transformers, accelerate) are looked up by their installed metadata rather than
+imported, so the report takes about as long as ``import ds_odc``.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+from typing import Callable, Dict, List, Tuple
+
+GOOD, BAD = "[OKAY]", "[NO]"
+
+
+def _installed_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> Dict[str, str]:
+    """ds_odc and what it runs on. torch and DeepSpeed are already imported by ``import ds_odc``."""
+    import deepspeed
+    import torch
+
+    import ds_odc
+    from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
+
+    ds_note = "" if deepspeed.__version__.split("+")[0] == SUPPORTED_DEEPSPEED else \
+        f" (ds_odc needs {SUPPORTED_DEEPSPEED})"
+    found = {
+        "ds_odc": f"{ds_odc.__version__} ({os.path.dirname(os.path.abspath(ds_odc.__file__))})",
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": f"{torch.__version__} (cuda {torch.version.cuda or 'none'})",
+        "deepspeed": deepspeed.__version__ + ds_note,
+        "pydantic": _installed_version("pydantic"),
+    }
+    for package in ("transformers", "accelerate"):
+        found[package] = _installed_version(package)
+    return found
+
+
+def environment() -> Dict[str, str]:
+    """Devices and the autoload switch."""
+    import torch
+
+    cuda = f"{torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "not available"
+    autoload_spec = importlib.util.find_spec("ds_odc_autoload")
+    if autoload_spec is None:
+        autoload = "not installed (scripts need `import ds_odc`)"
+    else:
+        import ds_odc_autoload
+
+        autoload = "on" if ds_odc_autoload.enabled() else "off (DS_ODC_AUTOLOAD turns it off)"
+    return {
+        "cuda devices": cuda,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "(unset: DeepSpeed detects)"),
+        "cpu cores": str(os.cpu_count()),
+        "autoload on `import deepspeed`": autoload,
+    }
+
+
+def _shm_fallback() -> Tuple[bool, str]:
+    shm_dir = "/dev/shm"
+    if not os.path.isdir(shm_dir):
+        return False, f"{shm_dir} does not exist (set zero_optimization.odc.shm_dir to a tmpfs directory)"
+    if not os.access(shm_dir, os.W_OK | os.X_OK):
+        return False, f"{shm_dir} is not writable by this user"
+    stats = os.statvfs(shm_dir)
+    return True, f"{shm_dir}, {stats.f_bavail * stats.f_frsize / 2**30:.1f} GiB free; CPU ranks on one host"
+
+
+def transports() -> Dict[str, Tuple[bool, str]]:
+    """name -> (usable here, why / why not). Asks ``ds_odc.comm.available_transports`` when the
+    installed ds_odc has it; otherwise checks what the shm transport needs."""
+    try:
+        from ds_odc.comm import available_transports
+    except ImportError:
+        available_transports = None
+    if available_transports is None:
+        found = {"shm": _shm_fallback()}
+    else:
+        found = {name: (bool(ok), str(reason) or ("available" if ok else "unavailable, no reason given"))
+                 for name, (ok, reason) in available_transports().items()}
+        if found.get("shm", (False,))[0] and found["shm"][1] == "available":
+            found["shm"] = _shm_fallback()
+    found.setdefault("multi-node", (False, "not implemented yet: ranks on several hosts fail at initialize "
+                                           "naming the hosts (shm and cuda_ipc serve one node)"))
+    return found
+
+
+def ops() -> List[dict]:
+    """One dict per compiled operator (name, built, buildable, reason); empty when there are none."""
+    try:
+        from ds_odc.ops_builder import op_status
+    except ImportError:
+        return []
+    return op_status()
+
+
+def collect() -> dict:
+    """Everything the report shows, as plain data (``--json``)."""
+    sections: Dict[str, Callable] = {"versions": versions, "environment": environment,
+                                     "transports": transports, "ops": ops}
+    data = {}
+    for name, probe in sections.items():
+        try:
+            data[name] = probe()
+        except Exception as err:  # noqa: BLE001 - one broken probe must not hide the others
+            data[name] = {"error": f"{type(err).__name__}: {err}"}
+    return data
+
+
+def _rows(title: str, rows: List[Tuple[str, str]]) -> List[str]:
+    width = max([len(key) for key, _ in rows] + [20]) + 2
+    return ["-" * 70, title, "-" * 70] + [f"{key} {'.' * (width - len(key))} {value}" for key, value in rows]
+
+
+def render(data: dict) -> str:
+    lines = _rows("ds_odc report: versions", list(data["versions"].items()))
+    lines += _rows("environment", list(data["environment"].items()))
+    transport_rows = data["transports"]
+    if "error" in transport_rows:
+        rows = [("transports", transport_rows["error"])]
+    else:
+        rows = [(name, f"{GOOD if ok else BAD} {reason}") for name, (ok, reason) in transport_rows.items()]
+    lines += _rows("transports (zero_optimization.odc.transport)", rows)
+    op_rows = data["ops"]
+    if isinstance(op_rows, dict):
+        rows = [("ops", op_rows["error"])]
+    elif not op_rows:
+        rows = [("ops", "no ops (none are needed on CPU)")]
+    else:
+        rows = []
+        for op in op_rows:
+            state = "built" if op["built"] else ("buildable (JIT-built with ninja on first use)"
+                                                 if op["buildable"] else f"not buildable: {op['reason']}")
+            rows.append((op["name"], f"{GOOD if op['built'] or op['buildable'] else BAD} {state}"))
+    lines += _rows("compiled operators (nothing is built by this report)", rows)
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> int:
+    data = collect()
+    if "--json" in argv:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(render(data))
+    return 0

@@ -1,0 +1,40 @@
+"""The schema and the README's "Options" table (the one place options are documented) cover every
+option of ODCConfig: description, default and allowed values."""
+import json
+import os
+import re
+
+from ds_odc.config import ODCConfig
+from ds_odc.config_schema import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _readme_options() -> dict:
+    """option -> default cell of the README's Options table."""
+    with open(os.path.join(ROOT, "README.md")) as readme:
+        text = readme.read()
+    section = text.split("\n## Options", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", section, flags=re.M)
+    return dict(rows)
+
+
+def test_schema_gives_every_option_its_allowed_values():
+    schema = generate()
+    stage = schema["properties"]["zero_optimization"]["properties"]["stage"]
+    assert {"const": "odc"} in stage["anyOf"] and "offload_param" in stage["description"]
+    options = schema["$defs"]["ODCConfig"]
+    assert options["additionalProperties"] is False
+    assert set(options["properties"]) == set(ODCConfig.model_fields)
+    for name, spec in options["properties"].items():
+        assert "enum" in spec or spec.get("type") in ("number", "integer", "string", "boolean"), name
+    assert options["properties"]["timeout_s"]["exclusiveMinimum"] == 0
+    assert options["properties"]["accumulator_stripe_numel"]["minimum"] == 1024
+
+
+def test_readme_documents_every_option_with_its_default():
+    documented = _readme_options()
+    for name, field in ODCConfig.model_fields.items():
+        assert name in documented, f"README 'Options' table has no row for {name}"
+        assert json.loads(documented[name]) == field.default, f"README default of {name}: {documented[name]}"
+    assert set(documented) <= set(ODCConfig.model_fields), set(documented) - set(ODCConfig.model_fields)

@@ -1,0 +1,64 @@
+"""``python -m ds_odc report`` tells versions, transports and operators, and builds nothing."""
+import json
+import os
+import subprocess
+import sys
+
+import deepspeed
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args):
+    done = subprocess.run([sys.executable, "-m", "ds_odc", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def report():
+    from ds_odc.ops_builder import OPS, build_directory
+
+    built_before = {spec.name: build_directory(spec).exists() for spec in OPS}
+    text, data = _run("report"), json.loads(_run("report", "--json"))
+    for spec in OPS:
+        if not built_before[spec.name]:
+            assert not build_directory(spec).exists(), f"the report built {spec.name}"
+    return text, data
+
+
+def test_report_names_the_versions_of_everything_ds_odc_runs_with(report):
+    text, data = report
+    import ds_odc
+
+    assert data["versions"]["ds_odc"].startswith(ds_odc.__version__)
+    assert data["versions"]["torch"].startswith(torch.__version__)
+    assert data["versions"]["deepspeed"] == deepspeed.__version__
+    for package in ("transformers", "accelerate"):
+        assert package in data["versions"]
+        assert f"{package} " in text
+    assert f"deepspeed ............. {deepspeed.__version__}" in text
+
+
+def test_report_says_which_transports_work_here_and_why(report):
+    text, data = report
+    shm_ok, shm_reason = data["transports"]["shm"]
+    assert shm_ok == os.access("/dev/shm", os.W_OK), shm_reason
+    assert shm_reason
+    for name, (ok, reason) in data["transports"].items():
+        assert ok or reason, f"transport {name} unavailable without a reason"
+        assert f"{name} " in text and ("[OKAY]" if ok else "[NO]") in text
+
+
+def test_report_lists_every_compiled_operator_with_its_state(report):
+    from ds_odc.ops_builder import op_status
+
+    text, data = report
+    assert [op["name"] for op in data["ops"]] == [op["name"] for op in op_status()]
+    for op in data["ops"]:
+        assert op["name"] in text
+        if not op["built"] and not op["buildable"]:
+            assert op["reason"] and op["reason"] in text
