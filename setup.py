@@ -1,10 +1,64 @@
+import os
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+# Zero-code-change activation: a .pth file at the top of site-packages runs ds_odc_autoload.install()
+# at interpreter start (stdlib only; it imports ds_odc once deepspeed is imported). DS_ODC_AUTOLOAD=0
+# turns it off. The name sorts after setuptools' "__editable__.*.pth", which makes the module importable.
+AUTOLOAD_PTH = ("ds_odc_autoload.pth", "import ds_odc_autoload; ds_odc_autoload.install()\n")
+HF_PINS = ["transformers==5.23.0", "accelerate==1.15.0"]  # the releases ds_odc/integration/hf.py was verified on
+BENCH = ["matplotlib==3.10.7", "tqdm"]  # timeline plots (ds_odc.metrics.plot_timelines) and benchmark progress
+
+
+class BuildPyWithAutoload(build_py):
+    """Regular installs and wheels: the .pth goes to the root of the build (site-packages)."""
+
+    def run(self):
+        super().run()
+        name, content = AUTOLOAD_PTH
+        target = os.path.join(self.build_lib, name)
+        with open(target, "w") as pth:
+            pth.write(content)
+        self.outputs_with_pth = [target]
+
+    def get_outputs(self, *args, **kwargs):
+        return super().get_outputs(*args, **kwargs) + getattr(self, "outputs_with_pth", [])
+
+
+class EditableWheelWithAutoload(editable_wheel):
+    """Editable installs (``pip install -e``) put only setuptools' own .pth/finder in the wheel; add ours."""
+
+    def _select_strategy(self, *args, **kwargs):
+        return _StrategyWithAutoload(super()._select_strategy(*args, **kwargs))
+
+
+class _StrategyWithAutoload:
+    """setuptools' editable strategy (a context manager that writes files into the wheel), plus our .pth."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self.inner.__exit__(*exc_info)
+
+    def __call__(self, wheel, files, mapping):
+        self.inner(wheel, files, mapping)
+        wheel.writestr(*AUTOLOAD_PTH)
+
 
 setup(
     name="ds_odc",
     version="0.1.0",
     description="DeepSpeed ZeRO-3 with on-demand one-sided communication (ODC) for LLM post-training",
     packages=find_packages(include=["ds_odc", "ds_odc.*"]),
+    py_modules=["ds_odc_autoload"],
+    cmdclass={"build_py": BuildPyWithAutoload, "editable_wheel": EditableWheelWithAutoload},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -12,5 +66,5 @@ setup(
         "pydantic>=2.0",
         "ninja",
     ],
-    extras_require={"test": ["pytest>=8", "tqdm"], "examples": ["tqdm"]},
+    extras_require={"test": ["pytest>=8", *BENCH, *HF_PINS], "examples": ["tqdm"], "hf": HF_PINS, "bench": BENCH},
 )

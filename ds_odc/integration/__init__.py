@@ -3,8 +3,12 @@ from ds_odc.integration.versions import check_deepspeed_version
 
 
 def register() -> None:
-    """Make ``deepspeed.initialize`` understand ``"stage": "odc"`` (idempotent)."""
+    """Make ``deepspeed.initialize`` understand ``"stage": "odc"`` (idempotent), and transformers /
+    accelerate see it as ZeRO-3 once they are imported."""
     check_deepspeed_version()
+    from ds_odc.integration import hf, hf_trainer
     from ds_odc.integration.initialize import register as _register
 
     _register()
+    hf.register()
+    hf_trainer.register()
