@@ -37,6 +37,9 @@ METHODS = [("zero3", "lb-micro"), ("zero3", "local-sort"), ("odc", "lb-micro"), 
 WORLD = 2
 SCALE = 32  # LongAlign's lengths divided by this; the token cap (packing ratio 1) is 65,536 / SCALE
 FIT_LENGTHS = (64, 128, 256, 512, 1024, 2048)
+# Width chosen so that, like a 1.5B model on LongAlign, a cap-length sample costs ~8x a quarter-cap one
+# (measured 7.9x on this CPU: 2048 vs 512 tokens; a 1.5B model's fitted curve gives 7.3x for 64K vs 16K).
+MODEL = {"dim": 384, "heads": 4, "layers": 2}
 DOC_START, DOC_END = "<!-- balance_matrix:start -->", "<!-- balance_matrix:end -->"
 
 
@@ -69,7 +72,7 @@ def _run_cell(rank, cell):
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=cell["token_cap"]),
+    engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=cell["token_cap"], **MODEL),
                                       config=_ds_config(cell["engine"], cell["metrics"]))
     recorder = ds_odc.metrics.attach(engine) if cell["metrics"] else None
     manual_walls = []
@@ -132,7 +135,7 @@ def fit_cost_model(token_cap):
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     torch.manual_seed(0)
-    model = PackedCausalLM(max_len=token_cap)
+    model = PackedCausalLM(max_len=token_cap, **MODEL)
     lengths = [n for n in FIT_LENGTHS if n <= token_cap] or [token_cap]
     lengths = sorted(set(lengths + [max(1, token_cap // 4), max(1, token_cap // 2), token_cap]))
     return fit(forward_backward_timer(lambda n: loss_sum(model, pack([make_sample(0, n)])).backward()),
@@ -170,12 +173,10 @@ def step_seconds(results):
     return [max(r.start + r.wall_s for r in group) - min(r.start for r in group) for group in zip(*per_rank)]
 
 
-def summarise(cell, results, plans, baseline_plans):
+def summarise(cell, results, measured_plans, measured_baseline):
     seconds = step_seconds(results)
     samples = WORLD * cell["samples_per_rank"]
     from ds_odc.metrics import utilisation
-    measured_plans = plans[cell["warmup"]:]
-    measured_baseline = baseline_plans[cell["warmup"]:]
     collective = sum(p.collective_step_cost() for p in measured_baseline)
     own = sum(p.collective_step_cost() if cell["engine"] == "zero3" else p.odc_step_cost() for p in measured_plans)
     return {"label": cell["label"], "workload": cell["workload"], "samples_per_rank": cell["samples_per_rank"],
@@ -184,10 +185,19 @@ def summarise(cell, results, plans, baseline_plans):
             "utilisation": [utilisation(r["reports"]) for r in results],
             "peak_rss_mib": [r["peak_rss_mib"] for r in results],
             "balance_bound": collective / own if own else float("nan"),
+            "plan_utilisation": _plan_utilisation(measured_plans, cell["engine"] == "zero3"),
             "micro_batches": [[len(rank) for rank in p.micro_batches] for p in measured_plans],
             "per_micro_batch_s": _per_micro_batch(results),
             "steps": [{"lengths": list(p.lengths), "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
                       for p in measured_plans]}
+
+
+def _plan_utilisation(plans, collective):
+    """The utilisation the cost model predicts for these plans with free communication: the ceiling
+    a perfect engine reaches (a sample longer than the rest combined leaves idle time no plan removes)."""
+    busy = sum(sum(p.rank_costs()) for p in plans)
+    wall = sum(WORLD * (p.collective_step_cost() if collective else p.odc_step_cost()) for p in plans)
+    return busy / wall if wall else 0.0
 
 
 def _per_micro_batch(results):
@@ -214,12 +224,13 @@ def measured_comm(rows):
 
 
 def markdown(rows, cost_model, command, overhead):
-    lines = [f"Command: `{command}` (2 ranks, 1 thread each, fresh processes per cell).", "",
+    lines = [f"Command: `{command}` (2 ranks, 1 thread each, fresh processes per cell; samples/s is the "
+             "median over every measured step of every round).", "",
              f"Cost model fitted on this machine (`fit_cost_model`, single-sample fwd+bwd at {list(FIT_LENGTHS)} "
              f"tokens): {cost_model.quadratic:.3e}·s² + {cost_model.linear:.3e}·s + {cost_model.per_micro_batch:.3e} "
              "s per micro-batch.", "",
              "| workload | samples/rank | method | samples/s | vs ZeRO-3+LB-Micro | balance bound | % of bound "
-             "| utilisation r0 / r1 | peak RSS MiB r0 / r1 | micro-batches per rank (first measured step) |",
+             "| utilisation r0 / r1 (plan ceiling) | peak RSS MiB r0 / r1 | micro-batches per rank (first measured step) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {(r["workload"], r["samples_per_rank"]): r for r in rows
                 if (r["engine"], r["policy"]) == ("zero3", "lb-micro")}
@@ -230,7 +241,8 @@ def markdown(rows, cost_model, command, overhead):
         method = f"{'ZeRO-3' if r['engine'] == 'zero3' else 'ODC'} + {r['policy']}"
         lines.append(f"| {r['workload']} | {r['samples_per_rank']} | {method} | {r['samples_per_s']:.3f} | "
                      f"{ratio:.3f}× | {bound:.3f}× | {100 * ratio / bound:.0f}% | "
-                     f"{' / '.join(f'{100 * u:.1f}%' for u in r['utilisation'])} | "
+                     f"{' / '.join(f'{100 * u:.1f}%' for u in r['utilisation'])} "
+                     f"({100 * r['plan_utilisation']:.1f}%) | "
                      f"{' / '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | {r['micro_batches'][0]} |")
     if overhead:
         lines += ["", f"Metrics overhead (ODC + LB-Mini, long-tailed, 4 samples/rank, median step wall of rank 0): "
@@ -256,13 +268,15 @@ def main():
     parser.add_argument("--quick", action="store_true", help="2 measured steps, 1 and 4 samples/rank; no docs")
     parser.add_argument("--smoke", action="store_true",
                         help="a seconds-long check of the pipeline (1/256 scale, 2 methods, 1 step); no docs")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per cell")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per cell")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="repetitions of every cell, interleaved")
     parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 1 if args.smoke else 2 if args.quick else args.steps
+    rounds = 1 if (args.smoke or args.quick) else args.rounds
     scale = 256 if args.smoke else SCALE
     token_cap = 65_536 // scale
     methods = [("zero3", "lb-micro"), ("odc", "lb-mini")] if args.smoke else METHODS
@@ -277,28 +291,39 @@ def main():
     for workload, per_rank in grid:
         minibatches = workload_steps(workload, per_rank, args.warmup + steps, seed=per_rank, scale=scale)
         baseline_steps, baseline_plans = plan_cell("zero3", "lb-micro", minibatches, cost_model, token_cap)
-        for engine, policy in methods:
-            label = f"{workload} b={per_rank} {engine}+{policy}"
-            plan_steps, plans = plan_cell(engine, policy, minibatches, cost_model, token_cap)
-            keep_events = workload == "long-tailed" and per_rank == 4 and policy in ("lb-micro", "lb-mini") and \
-                (engine, policy) in (("zero3", "lb-micro"), ("odc", "lb-mini"))
-            cell = {"label": label, "workload": workload, "samples_per_rank": per_rank, "engine": engine,
-                    "policy": policy, "steps": plan_steps, "warmup": args.warmup, "metrics": True,
-                    "keep_events": keep_events, "token_cap": token_cap}
-            started = time.perf_counter()
-            results = run_cell(cell)
-            row = summarise(cell, results, plans, baseline_plans)
+        collected = {method: [] for method in methods}
+        for round_number in range(rounds):  # rounds interleave the methods, so slow spells hit all of them
+            for engine, policy in methods:
+                label = f"{workload} b={per_rank} {engine}+{policy}"
+                plan_steps, plans = plan_cell(engine, policy, minibatches, cost_model, token_cap)
+                keep_events = round_number == 0 and workload == "long-tailed" and per_rank == 4 and \
+                    (engine, policy) in (("zero3", "lb-micro"), ("odc", "lb-mini"))
+                cell = {"label": label, "workload": workload, "samples_per_rank": per_rank, "engine": engine,
+                        "policy": policy, "steps": plan_steps, "warmup": args.warmup, "metrics": True,
+                        "keep_events": keep_events, "token_cap": token_cap}
+                started = time.perf_counter()
+                results = run_cell(cell)
+                collected[(engine, policy)].append((cell, results, plans))
+                print(f"round {round_number} {label:42s} median step "
+                      f"{statistics.median(step_seconds(results)):.3f} s ({time.perf_counter() - started:.0f} s)",
+                      flush=True)
+                if keep_events:
+                    title = "ZeRO-3 + LB-Micro" if engine == "zero3" else "ODC + LB-Mini"
+                    timeline_runs[title] = [rep for r in results for rep in r["reports"]]
+                if keep_events and engine == "odc" and not args.smoke:
+                    off = run_cell(dict(cell, metrics=False, label=label + " (metrics off)"))
+                    overhead = {"on": statistics.median(results[0]["manual_walls"]),
+                                "off": statistics.median(off[0]["manual_walls"])}
+        for method in methods:
+            runs = collected[method]
+            merged = [{"reports": [rep for _, results, _ in runs for rep in results[rank]["reports"]],
+                       "peak_rss_mib": max(results[rank]["peak_rss_mib"] for _, results, _ in runs)}
+                      for rank in range(WORLD)]
+            measured = [p for _, _, plans in runs for p in plans[args.warmup:]]
+            row = summarise(runs[0][0], merged, measured, baseline_plans[args.warmup:] * len(runs))
             rows.append(row)
-            print(f"{label:42s} {row['samples_per_s']:.3f} samples/s  bound {row['balance_bound']:.3f}x  "
-                  f"util {[round(u, 3) for u in row['utilisation']]}  ({time.perf_counter() - started:.0f} s)",
-                  flush=True)
-            if keep_events:
-                title = "ZeRO-3 + LB-Micro" if engine == "zero3" else "ODC + LB-Mini"
-                timeline_runs[title] = [rep for r in results for rep in r["reports"]]
-            if keep_events and engine == "odc" and not args.smoke:
-                off = run_cell(dict(cell, metrics=False, label=label + " (metrics off)"))
-                overhead = {"on": statistics.median(results[0]["manual_walls"]),
-                            "off": statistics.median(off[0]["manual_walls"])}
+            print(f"{row['label']:42s} {row['samples_per_s']:.3f} samples/s  bound {row['balance_bound']:.3f}x  "
+                  f"util {[round(u, 3) for u in row['utilisation']]}", flush=True)
 
     from ds_odc.metrics import plot_timelines
     writes_docs = not (args.quick or args.smoke)
