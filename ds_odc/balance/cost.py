@@ -79,7 +79,7 @@ def fit_cost_model(measure: Callable[[int], float], lengths: Sequence[int], repe
             measure(length)
         samples = sorted(measure(length) for _ in range(max(1, repeats)))
         times.append(samples[len(samples) // 2])
-    per_micro_batch, quadratic, linear = _nonnegative_least_squares(
+    per_micro_batch, quadratic, linear = nonnegative_least_squares(
         [[1.0, float(s) ** 2, float(s)] for s in lengths], times)
     if quadratic == 0 and linear == 0:
         raise ODCError(f"fit_cost_model: measured times {times} do not grow with length {lengths}; "
@@ -100,7 +100,7 @@ def forward_backward_timer(run_micro_batch: Callable[[int], None], synchronize: 
     return measure
 
 
-def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
+def nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
     """Exact NNLS for a handful of columns: the best least-squares fit over every subset of columns
     whose solution is non-negative. Columns are rescaled first so s² does not swamp the solve."""
     import torch
@@ -113,7 +113,7 @@ def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> 
     best, best_error = [0.0] * columns, float(y.pow(2).sum())
     for size in range(1, columns + 1):
         for subset in itertools.combinations(range(columns), size):
-            solution = torch.linalg.lstsq(a[:, list(subset)], y).solution.squeeze(1)
+            solution = torch.linalg.lstsq(a[:, list(subset)], y, driver="gelsd").solution.squeeze(1)
             if (solution < 0).any():
                 continue
             error = float((a[:, list(subset)] @ solution.unsqueeze(1) - y).pow(2).sum())

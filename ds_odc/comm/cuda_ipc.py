@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import uuid
 
 import torch
 import torch.distributed as tdist
@@ -38,7 +37,7 @@ from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
 from ds_odc.comm.rendezvous import StepRendezvous, control_numel, pid_alive
 from ds_odc.comm.shm_segment import create_segment, map_segment, segment_path, unlink_quietly
-from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.comm.transport import Transport, WindowSpec, agree_on_session
 
 #: Gradient dtypes the push kernel reads directly; others are converted to fp32 first.
 PUSHABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,7 +88,7 @@ class CudaIpcTransport(Transport):
         tdist.all_gather_object(devices, me, group=self.group)
         local_uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
         resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
-        session = self._agree_on_session()
+        session = agree_on_session(self.rank, self.group)
         width = control_numel(spec.exchange_width)
         ctrl = segment_path(self.shm_dir, session, self.rank, "ctrl")
         param_bytes = spec.param_numel * _itemsize(spec.param_dtype)
@@ -121,12 +120,6 @@ class CudaIpcTransport(Transport):
         self._pull_stream = torch.cuda.Stream(device=self.device)
         blocks = [block.narrow(0, 0, width) for block in self._controls]
         self._rendezvous = StepRendezvous(self.rank, blocks, spec.exchange_width, self.timeout_s)
-
-    def _agree_on_session(self) -> str:
-        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        tdist.broadcast_object_list(box, src=tdist.get_global_rank(self.group, 0) if self.group else 0,
-                                    group=self.group)
-        return box[0]
 
     # -- one-sided access ------------------------------------------------------------------------
     def local_param_window(self) -> torch.Tensor:

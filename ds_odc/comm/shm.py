@@ -12,7 +12,6 @@ the step rendezvous and a lock file for the accumulator stripes, all created onc
 from __future__ import annotations
 
 import socket
-import uuid
 
 import torch
 import torch.distributed as tdist
@@ -20,7 +19,7 @@ import torch.distributed as tdist
 from ds_odc.comm.locks import StripeLocks
 from ds_odc.comm.rendezvous import StepRendezvous, control_numel
 from ds_odc.comm.shm_segment import create_segment, map_segment, segment_path, unlink_quietly
-from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.comm.transport import Transport, WindowSpec, agree_on_session
 from ds_odc.errors import ODCConfigError
 
 _KINDS = ("params", "grads", "ctrl", "lock")
@@ -44,7 +43,7 @@ class ShmTransport(Transport):
     # -- allocation (collective, once) ---------------------------------------------------------
     def allocate(self, spec: WindowSpec) -> None:
         self._check_single_host()
-        session = self._agree_on_session()
+        session = agree_on_session(self.rank, self.group)
         mine = {kind: segment_path(self.shm_dir, session, self.rank, kind) for kind in _KINDS}
         sizes = {
             "params": spec.param_numel * _itemsize(spec.param_dtype),
@@ -79,12 +78,6 @@ class ShmTransport(Transport):
             raise ODCConfigError(
                 f"odc.transport='shm' needs every rank on one host, got hosts {sorted(set(hosts))}; "
                 "multi-node training needs the hybrid transport (not available yet)")
-
-    def _agree_on_session(self) -> str:
-        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        tdist.broadcast_object_list(box, src=tdist.get_global_rank(self.group, 0) if self.group else 0,
-                                    group=self.group)
-        return box[0]
 
     # -- one-sided access ------------------------------------------------------------------------
     def local_param_window(self) -> torch.Tensor:

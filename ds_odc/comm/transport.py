@@ -78,3 +78,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release windows, files and descriptors. Idempotent."""
+
+
+def agree_on_session(rank: int, group=None) -> str:
+    """A name every rank of ``group`` shares for this engine's segments (rank 0 draws it)."""
+    import uuid
+
+    import torch.distributed as tdist
+
+    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    tdist.broadcast_object_list(box, src=tdist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]

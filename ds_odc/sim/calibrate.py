@@ -19,11 +19,11 @@ compute thread; per-layer transfer times are folded into the per-micro-batch cos
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 from typing import Callable, Sequence
 
 from ds_odc.balance import CostModel, Plan
+from ds_odc.balance.cost import nonnegative_least_squares
 from ds_odc.errors import ODCError
 from ds_odc.sim.hardware import Hardware
 from ds_odc.sim.projection import ENGINE_SCHEMES, plan_from_record
@@ -92,7 +92,7 @@ def calibrate(runs: Sequence[dict], cost_model: CostModel, max_rounds: int = 20)
         if features == assignment:
             break
         assignment = features
-        solution = _nonnegative_least_squares(rows, targets)
+        solution = nonnegative_least_squares(rows, targets)
         if solution[0] == 0 and solution[1] == 0:
             raise ODCError("calibrate: measured steps do not grow with sequence length; cannot fit compute")
         for number, engine in enumerate(engines):
@@ -122,28 +122,3 @@ def held_out_errors(runs: Sequence[dict], cost_model: CostModel, group: Callable
             results.append({"run": run, "predicted": predicted, "relative_errors": errors,
                             "median_error": statistics.median(errors) if errors else float("nan")})
     return results
-
-
-def _nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
-    """Exact NNLS for a handful of columns: the best least-squares fit over every subset of columns
-    whose solution is non-negative (columns rescaled first so s² does not swamp the solve)."""
-    import torch
-
-    a = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor(target, dtype=torch.float64).unsqueeze(1)
-    scale = a.abs().max(dim=0).values.clamp_min(1e-300)
-    a = a / scale
-    columns = a.shape[1]
-    best, best_error = [0.0] * columns, float(y.pow(2).sum())
-    for size in range(1, columns + 1):
-        for subset in itertools.combinations(range(columns), size):
-            solution = torch.linalg.lstsq(a[:, list(subset)], y, driver="gelsd").solution.squeeze(1)
-            if (solution < 0).any():
-                continue
-            error = float((a[:, list(subset)] @ solution.unsqueeze(1) - y).pow(2).sum())
-            if error < best_error - 1e-15:
-                coefficients = [0.0] * columns
-                for column, value in zip(subset, solution.tolist()):
-                    coefficients[column] = value / float(scale[column])
-                best, best_error = coefficients, error
-    return best

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 
 import ds_odc.metrics
 from ds_odc.balance import BalancedBatchSampler, CostModel
-from tests.distributed.workloads import IN, OUT, ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.distributed.workloads import (IN, OUT, clip_like_deepspeed, ds_config, full_params, make_model,
+                                         micro_batch, mse_mean)
 
 LENGTHS = [1, 9, 2, 3, 8, 2, 1, 5, 6, 1, 1, 1, 9, 4, 2, 2]  # rows per sample: long-tailed, cap 10
 TOKEN_CAP = 10
@@ -65,11 +66,7 @@ def reference_balanced(step_members, lr=1e-2, clip=1.0):
         optimizer.zero_grad()
         x, y = collate([sample(i) for i in members])
         (row_loss_sum(model(x), y) / x.shape[0]).backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
-        scale = max(((norm + 1e-6) / clip).item(), 1.0)
-        for g in grads:
-            g.mul_(1.0 / scale)
+        clip_like_deepspeed(model, clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -233,13 +233,18 @@ def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(divisor)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
-        scale = max(((norm + 1e-6) / clip).item(), 1.0)
-        for g in grads:
-            g.mul_(1.0 / scale)
+        clip_like_deepspeed(model, clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def clip_like_deepspeed(model, clip):
+    """ZeRO-3's clipping arithmetic: scale by max((‖g‖ + 1e-6) / clip, 1)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
+    scale = max(((norm + 1e-6) / clip).item(), 1.0)
+    for g in grads:
+        g.mul_(1.0 / scale)
 
 
 # -- op counting -----------------------------------------------------------------------------------
