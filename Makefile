@@ -2,6 +2,9 @@
 # make test : set up .venv if needed, then run the whole test suite
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
+# JIT-built ops (DeepSpeed's CPU comm op, ds_odc's CUDA op) go into this checkout's venv: a build of
+# another checkout, or the lock file a killed build leaves in ~/.cache, cannot block or clash with it.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 STEPS ?= 100
 
 .PHONY: venv demo test schema
