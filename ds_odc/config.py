@@ -14,7 +14,7 @@ unknown top-level keys, so the marker travels with the dict (including into chec
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -36,10 +36,12 @@ class ODCConfig(BaseModel):
     its CUDA operator is JIT-built with ninja on first use. A transport that does not serve the
     model's device fails at initialize. Default "auto"."""
 
-    timeout_s: float = Field(60.0, gt=0, le=86400)
-    """How long a rank waits on a peer that makes no progress (no pull or push; or a stripe lock held)
-    before raising an error that names the peer. A peer still computing is waited for; a dead one is
-    reported at once. Default 60 s. Must be in (0, 86400]."""
+    timeout_s: Optional[Annotated[float, Field(gt=0, le=86400)]] = None
+    """How long a rank waits on a peer that makes no progress (no forward, pull or push; or a stripe
+    lock held) before raising an error that names the peer and what it was last doing. A peer still
+    computing is waited for; a dead or failed one is reported at once. Default null: the process
+    group's own timeout, the bound DeepSpeed uses for a silent peer (``deepspeed.init_distributed(timeout=...)``,
+    10 minutes unless ``DEEPSPEED_TIMEOUT`` says otherwise). Must be in (0, 86400]."""
 
     shm_dir: str = "/dev/shm"
     """tmpfs directory for the shm transport's segments (unlinked right after start-up).

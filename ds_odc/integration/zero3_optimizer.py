@@ -28,6 +28,7 @@ from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
+from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import MicroBatchLedger, ODCRuntime, WindowLayout
 
@@ -84,7 +85,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
 
         transport = create_transport(self.odc_options.transport, rank=dist.get_rank(group=self.dp_process_group),
-                                     world_size=world, timeout_s=self.odc_options.timeout_s,
+                                     world_size=world,
+                                     timeout_s=resolve_timeout_s(self.odc_options.timeout_s, self.dp_process_group),
                                      device=str(self.lp_param_buffer.device), shm_dir=self.odc_options.shm_dir,
                                      stripe_numel=self.odc_options.accumulator_stripe_numel)
         accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]

@@ -27,8 +27,12 @@ def test_schema_gives_every_option_its_allowed_values():
     assert options["additionalProperties"] is False
     assert set(options["properties"]) == set(ODCConfig.model_fields)
     for name, spec in options["properties"].items():
-        assert "enum" in spec or spec.get("type") in ("number", "integer", "string", "boolean"), name
-    assert options["properties"]["timeout_s"]["exclusiveMinimum"] == 0
+        kinds = spec.get("anyOf", [spec])  # an optional option: its value's spec or null
+        assert all("enum" in k or k.get("type") in ("number", "integer", "string", "boolean", "null")
+                   for k in kinds), name
+    timeout = options["properties"]["timeout_s"]
+    assert timeout["default"] is None and {"type": "null"} in timeout["anyOf"]
+    assert timeout["anyOf"][0]["exclusiveMinimum"] == 0
     assert options["properties"]["accumulator_stripe_numel"]["minimum"] == 1024
 
 
