@@ -1,0 +1,410 @@
+"""Every private name of DeepSpeed, torch, accelerate and transformers that ds_odc relies on, checked.
+
+ds_odc subclasses ZeRO-3 and patches DeepSpeed where no public hook exists, so it depends on names a
+release may rename without notice: private and name-mangled methods it overrides or calls, attributes
+ZeRO-3 creates that it reads or replaces, closures DeepSpeed attaches to every parameter, module
+attributes it swaps. :data:`SURFACE` lists them, one :class:`PrivateName` each, grouped by owner.
+:func:`assert_surface` checks the DeepSpeed and torch entries at ``import ds_odc`` (before the
+version check), so that another release fails there, naming every missing name and the ds_odc file
+that needs it, instead of deep inside a training step. A private name newly used under ``ds_odc/``
+belongs here (``tests/unit/test_surface.py`` enforces it for name-mangled ones, and that every entry
+is still used by the files it names).
+
+What each check proves, by :class:`Kind` (nothing is called, no instance is built):
+
+* module attribute, method, class attribute: ``getattr`` on the imported module or class finds it
+  (a method: and it is callable). Not its signature, nor what it does.
+* dataclass field: ``name`` is one of ``dataclasses.fields(cls)``.
+* instance attribute: ``self.<name> =`` (or ``self.<name>: T =``) is in the source of the method
+  ``found_in`` of the class, so that method assigns it, at least on some path. ``hasattr`` on the
+  class cannot see such attributes. Name-mangled names are searched as the class writes them
+  (``self.__x``).
+* parameter attribute: ``param.<name> =`` is in the source of ``Init._convert_to_deepspeed_param``,
+  which attaches it to every parameter ZeRO-3 partitions (``ds_tensor`` is given its shard later).
+* looked up at call time: ``name`` is in the names the code of ``found_in`` itself refers to
+  (``co_names``: globals, names imported inside the function, attributes), so it is resolved when the
+  function runs and swapping the module attribute around a call reaches it.
+* checkpoint key: ``name=`` or ``'name'`` is in the source of the function that builds the dict.
+* file name part: the text is in the source of ``found_in`` (a function, or a file shipped in the
+  package, the path relative to the package directory).
+
+A function's source is cut from its file by the line numbers of its code object (``linecache``);
+``inspect.getsource`` tokenises each block and costs ~35 ms for these functions. A text match can be
+fooled by a comment; a release installed without ``.py`` sources reports every source check missing.
+
+Cost at import: 12-26 ms, median 19 ms, over 9 fresh interpreters (``time.perf_counter`` around the
+call inside ``import ds_odc``, which took 4-6 s; a shared 2-core CPU machine at load 5); ~5 ms when
+called again. It imports DeepSpeed's SuperOffload stage 3, which ``ds_odc.engine`` imports next anyway.
+
+accelerate / transformers entries are checked only by ``check_surface(include_hf=True)``, and only for
+the packages installed (found with ``importlib.util.find_spec``, which imports nothing): ``import
+ds_odc`` must not import transformers (seconds). The names the two patches replace are checked again
+when each patch is installed (``ds_odc.integration.hf`` / ``hf_trainer``), and the unit tests check
+every entry against the pinned releases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import inspect
+import linecache
+import os
+import re
+import types
+
+
+class Kind(enum.Enum):
+    """How ds_odc depends on a name, which decides how it is checked (see the module docstring)."""
+    MODULE_ATTRIBUTE = "module attribute"
+    METHOD = "method"
+    CLASS_ATTRIBUTE = "class attribute"
+    DATACLASS_FIELD = "dataclass field"
+    INSTANCE_ATTRIBUTE = "instance attribute"
+    PARAMETER_ATTRIBUTE = "parameter attribute"
+    CALL_TIME_LOOKUP = "looked up at call time"
+    CHECKPOINT_KEY = "checkpoint key"
+    FILE_NAME = "file name part"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateName:
+    """One name ds_odc relies on, where it lives, and which ds_odc file needs it for what."""
+    module: str
+    cls: str | None  # None: the name belongs to the module; "Outer.Inner" for a nested class
+    name: str  # as ds_odc spells it: name-mangled names in their mangled form
+    kind: Kind
+    used_by: str  # the file(s) that use it, from the repository root
+    why: str
+    found_in: str | None = None  # source checks: a function of ``cls`` (else of the module), or a file
+
+    @property
+    def owner(self) -> str:
+        return f"{self.module}.{self.cls}" if self.cls else self.module
+
+    @property
+    def package(self) -> str:
+        return self.module.split(".")[0]
+
+    def describe(self) -> str:
+        """Where the name was expected, e.g. ``self.lp_param_buffer assigned in deepspeed...Stage3._create_...``."""
+        if self.found_in and "/" in self.found_in:
+            where = f"{self.module.replace('.', '/')}/{self.found_in}"
+        else:
+            where = f"{self.owner}.{self.found_in}"
+        return {
+            Kind.INSTANCE_ATTRIBUTE: f"self.{self.name} assigned in {where}",
+            Kind.PARAMETER_ATTRIBUTE: f"param.{self.name} assigned in {where}",
+            Kind.CALL_TIME_LOOKUP: f"{self.name} looked up at call time by {where}",
+            Kind.CHECKPOINT_KEY: f"checkpoint key {self.name!r} written by {where}",
+            Kind.FILE_NAME: f"file name part {self.name!r} in {where}",
+        }.get(self.kind, f"{self.kind.value} {self.owner}.{self.name}")
+
+
+#: Packages ds_odc works without; their entries are checked only on request (see the module docstring).
+OPTIONAL_PACKAGES = ("accelerate", "transformers")
+
+# The files that use the names.
+_OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zero3_params.py"
+_HOOKS, _CKPT = "ds_odc/integration/engine_hooks.py", "ds_odc/integration/checkpoints.py"
+_INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
+_TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
+_HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/engine.py"
+
+_ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
+_PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
+_ENGINE_CLS, _STAGE3 = "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3"
+
+
+def _parameter_attribute(name: str, used_by: str, why: str) -> PrivateName:
+    """An attribute ``Init._convert_to_deepspeed_param`` attaches to every parameter ZeRO-3 partitions."""
+    return PrivateName(_PP, "Init", name, Kind.PARAMETER_ATTRIBUTE, used_by, why,
+                       found_in="_convert_to_deepspeed_param")
+
+
+SURFACE: tuple[PrivateName, ...] = (
+    # -- deepspeed: initialize, config parsing, timeouts, shared memory -------------------------------
+    PrivateName("deepspeed", None, "DeepSpeedEngine", Kind.MODULE_ATTRIBUTE, _INIT,
+                "swapped for ODCEngine while deepspeed.initialize runs"),
+    PrivateName("deepspeed", None, "DeepSpeedEngine", Kind.CALL_TIME_LOOKUP, _INIT, "so the swap reaches it",
+                found_in="initialize"),
+    PrivateName("deepspeed.runtime.config", None, "get_zero_config", Kind.MODULE_ATTRIBUTE, _INIT,
+                "patched: a raw 'odc' dict parses as stage 3"),
+    PrivateName("deepspeed.runtime.config", "DeepSpeedConfig", "get_zero_config", Kind.CALL_TIME_LOOKUP, _INIT,
+                "so the patch reaches it", found_in="_initialize_params"),
+    PrivateName("deepspeed.runtime.config", "DeepSpeedConfig", "_param_dict", Kind.INSTANCE_ATTRIBUTE, _HOOKS,
+                "the raw ds_config, where the 'odc' options are read", found_in="__init__"),
+    PrivateName("deepspeed.runtime.tensor_parallel.init_utils", None, "load_ds_config", Kind.MODULE_ATTRIBUTE, _INIT,
+                "reads a ds_config given as a path, as deepspeed.initialize does"),
+    PrivateName("deepspeed.constants", None, "default_pg_timeout", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
+                "the silent-peer bound when the process group's cannot be read"),
+    PrivateName("deepspeed", None, "deepspeed_allreduce_buffer", Kind.FILE_NAME, _SHM,
+                "the /dev/shm buffer of DeepSpeed's CPU all-reduce, unlinked once mapped",
+                found_in="ops/csrc/cpu/comm/shm.cpp"),
+    # -- deepspeed.runtime.engine.DeepSpeedEngine: the base of ODCEngine ----------------------------------
+    PrivateName(_ENG, _ENGINE_CLS, "_configure_zero_optimizer", Kind.METHOD, _HOOKS,
+                "overridden: builds ODCStage3Optimizer"),
+    PrivateName(_ENG, _ENGINE_CLS, _STAGE3, Kind.CALL_TIME_LOOKUP, _HOOKS,
+                "imported at call time, so the module-attribute swap reaches it",
+                found_in="_configure_zero_optimizer"),
+    PrivateName(_ENG, _ENGINE_CLS, "_backward_prologue_per_tensor", Kind.METHOD, _HOOKS,
+                "overridden: no 1/gradient_accumulation_steps for per-token micro-batches"),
+    PrivateName(_ENG, _ENGINE_CLS, "_backward_post_hook", Kind.METHOD, _HOOKS,
+                "overridden: a ledger entry per loss.backward()"),
+    PrivateName(_ENG, _ENGINE_CLS, "_take_model_step", Kind.METHOD, _HOOKS,
+                "overridden: global_samples counts the global micro-batches"),
+    PrivateName(_ENG, _ENGINE_CLS, "_get_ckpt_name", Kind.METHOD, _CKPT,
+                "the model-states file fsynced before 'latest'"),
+    PrivateName(_ENG, _ENGINE_CLS, "_get_zero_ckpt_name", Kind.METHOD, _CKPT,
+                "the optimizer-states file fsynced before 'latest'"),
+    PrivateName(_ENG, _ENGINE_CLS, "load_universal_checkpoint", Kind.METHOD, _CKPT,
+                "whether a load is a universal one"),
+    PrivateName(_ENG, _ENGINE_CLS, "managed_gradient_accumulation", Kind.METHOD, f"{_ENGINE}, {_METRICS}",
+                "whether DeepSpeed decides the accumulation boundary"),
+    PrivateName(_ENG, _ENGINE_CLS, "_config", Kind.INSTANCE_ATTRIBUTE, _HOOKS, "holds the raw ds_config",
+                found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "_running_engine_backward", Kind.INSTANCE_ATTRIBUTE, _HOOKS,
+                "tells loss.backward() from engine.backward()", found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_samples", Kind.INSTANCE_ATTRIBUTE, _HOOKS,
+                "re-set from the global micro-batch count", found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_steps", Kind.INSTANCE_ATTRIBUTE, _CKPT, "the default checkpoint tag",
+                found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_rank", Kind.INSTANCE_ATTRIBUTE, f"{_CKPT}, {_METRICS}",
+                "rank 0 writes 'latest'; metrics rank", found_in="_set_distributed_vars"),
+    PrivateName(_ENG, _ENGINE_CLS, "checkpoint_engine", Kind.INSTANCE_ATTRIBUTE, _CKPT,
+                "decoupled engines commit 'latest' themselves", found_in="_configure_checkpointing"),
+    PrivateName(_ENG, _ENGINE_CLS, "module", Kind.CHECKPOINT_KEY, _CKPT, "buffers restored after a universal load",
+                found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_shapes", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_fragments", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "zero_pp_rank_", Kind.FILE_NAME, _CKPT,
+                "counts and orders the saving ranks' files", found_in="_get_ckpt_name"),
+    PrivateName(_ENG, _ENGINE_CLS, "_model_states.pt", Kind.FILE_NAME, _CKPT,
+                "counts and orders the saving ranks' files", found_in="_get_ckpt_name"),
+    PrivateName("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine", "is_decoupled",
+                Kind.METHOD, _CKPT, "decoupled engines commit 'latest' themselves"),
+    # -- deepspeed.runtime.zero.stage3: the base of ODCStage3Optimizer ------------------------------------
+    PrivateName(_Z3, None, _STAGE3, Kind.MODULE_ATTRIBUTE, _HOOKS,
+                "swapped for the ODC optimizer during _configure_zero_optimizer"),
+    PrivateName("deepspeed.runtime.superoffload.superoffload_stage3", None, _STAGE3, Kind.MODULE_ATTRIBUTE, _HOOKS,
+                "imported before any swap, so SuperOffload subclasses ZeRO-3's class"),
+    PrivateName(_Z3, _STAGE3, "_create_fp16_partitions_with_defragmentation", Kind.METHOD, _OPT,
+                "overridden: the flat shard buffer moves into the parameter window"),
+    PrivateName(_Z3, _STAGE3, f"_{_STAGE3}__reduce_and_partition_ipg_grads", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: pushes instead of the reduce-scatter"),
+    PrivateName(_Z3, _STAGE3, "_get_norm_groups", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: one norm exchange"),
+    PrivateName(_Z3, _STAGE3, "_post_step", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: no persistent-parameter all-gather"),
+    PrivateName(_Z3, _STAGE3, "_partition_all_parameters", Kind.METHOD, _OPT, "drops stale full copies after a load"),
+    PrivateName(_Z3, _STAGE3, "_set_fp16_partitioned_groups_flat", Kind.METHOD, _OPT,
+                "rebuilds the flat groups on the window"),
+    PrivateName(_Z3, _STAGE3, "_unflatten_partitioned_parameters", Kind.METHOD, _OPT,
+                "points every shard into the window"),
+    PrivateName(_Z3, _STAGE3, "_overflow_check_and_loss_scale_update", Kind.METHOD, _METRICS, "timed as step wait"),
+    PrivateName(_Z3, _STAGE3, "reduce_ready_partitions_and_remove_grads", Kind.METHOD, _OPT,
+                "overridden: a heartbeat per gradient"),
+    PrivateName(_Z3, _STAGE3, "destroy", Kind.METHOD, _OPT, "overridden: releases windows and hooks"),
+    PrivateName(_Z3, _STAGE3, "module", Kind.INSTANCE_ATTRIBUTE, _OPT, "every module gets a heartbeat hook",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "parameter_offload", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_METRICS}",
+                "reaches the parameter coordinator", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "persistent_parameters", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "pulled after the step instead of all-gathered", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "offload_param", Kind.INSTANCE_ATTRIBUTE, _OPT, "parameter offload is refused",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "dp_process_group", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_CKPT}",
+                "rank and world of the windows", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "reduce_and_partition_stream", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "pushes run on ZeRO-3's reduce stream", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE, _OPT, "the mean rule's divisor",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, _OPT, "the trainable parameters, by sub-group",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _OPT, "rebuilt on the window",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "averaged_gradients", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "set to the accumulator views before the step", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "ipg_buckets", Kind.INSTANCE_ATTRIBUTE, _OPT, "the bucket whose gradients are pushed",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "lp_param_buffer", Kind.INSTANCE_ATTRIBUTE, _OPT, "replaced by the parameter window",
+                found_in="_create_fp16_partitions_with_defragmentation"),
+    PrivateName(_Z3, _STAGE3, "grad_partitions_flat_buffer", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "replaced by the gradient accumulator window", found_in="_setup_for_real_optimizer"),
+    PrivateName(_Z3, _STAGE3, f"_{_STAGE3}__param_id_to_grad_partition", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "re-pointed at the accumulator window", found_in="_setup_for_real_optimizer"),
+    PrivateName(_Z3, "IPGBucketZ3", "params", Kind.DATACLASS_FIELD, _OPT,
+                "cleared after the pushes, as clear_params does"),
+    PrivateName(_Z3, "IPGBucketZ3", "elements", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
+    PrivateName(_Z3, "IPGBucketZ3", "process_group", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
+    # -- deepspeed.runtime.zero: parameter offload, coordinator, parameter status ------------------------
+    PrivateName("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "get_param_coordinator",
+                Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "the coordinator whose trace check is skipped and whose fetches are timed"),
+    PrivateName(_COORD, None, "assert_ints_same_as_other_ranks", Kind.MODULE_ATTRIBUTE, _PARAMS,
+                "swapped for a gate that skips the trace check on ODC coordinators"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "assert_ints_same_as_other_ranks", Kind.CALL_TIME_LOOKUP,
+                _PARAMS, "so the gate reaches it", found_in="reset_step"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "reset_step", Kind.METHOD, _PARAMS,
+                "wrapped to skip the trace check"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "fetch_sub_module", Kind.METHOD, _METRICS,
+                "timed as a gather"),
+    PrivateName(_PP, None, "ZeroParamStatus", Kind.MODULE_ATTRIBUTE, f"{_OPT}, {_PARAMS}",
+                "the status a pull sets and reads"),
+    PrivateName(_PP, "ZeroParamStatus", "AVAILABLE", Kind.CLASS_ATTRIBUTE, _PARAMS, "set when a pull completes"),
+    PrivateName(_PP, "ZeroParamStatus", "INFLIGHT", Kind.CLASS_ATTRIBUTE, _PARAMS, "set while a pull is pending"),
+    PrivateName(_PP, "ZeroParamStatus", "NOT_AVAILABLE", Kind.CLASS_ATTRIBUTE, f"{_OPT}, {_PARAMS}",
+                "only released parameters are pulled"),
+    # -- attributes Init attaches to every partitioned parameter -----------------------------------------
+    _parameter_attribute("ds_id", f"{_OPT}, {_PARAMS}", "the window slot of the parameter"),
+    _parameter_attribute("ds_numel", f"{_OPT}, {_PARAMS}", "full size of a pull"),
+    _parameter_attribute("ds_shape", _PARAMS, "shape of a pulled parameter"),
+    _parameter_attribute("ds_tensor", f"{_OPT}, {_PARAMS}, {_CKPT}", "this rank's shard, moved into the window"),
+    _parameter_attribute("ds_status", f"{_OPT}, {_PARAMS}", "pull state"),
+    _parameter_attribute("partition_numel", _OPT, "shard size in the window layout"),
+    _parameter_attribute("ds_summary", _PARAMS, "names the parameter in an error"),
+    _parameter_attribute("all_gather", _PARAMS, "replaced by a pull"),
+    _parameter_attribute("all_gather_coalesced", _PARAMS, "replaced by a pull"),
+    _parameter_attribute("partition", _PARAMS, "wrapped: waits for every owner after a modification"),
+    # -- torch.distributed: the process group's timeout --------------------------------------------------
+    PrivateName("torch.distributed.distributed_c10d", None, "_get_default_group", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
+                "the world process group"),
+    PrivateName("torch.distributed", "ProcessGroup", "_get_backend", Kind.METHOD, _TIMEOUTS,
+                "the group's CPU backend"),
+    PrivateName("torch._C._distributed_c10d", "ProcessGroupGloo", "options", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
+                "the backend's options"),
+    PrivateName("torch._C._distributed_c10d", "Backend.Options", "_timeout", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
+                "the bound for a silent peer; DeepSpeed's default without it"),
+    # -- accelerate (optional) ---------------------------------------------------------------------------
+    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
+                f"{_HF}, ds_odc_autoload.py", "patched: canonicalises an 'odc' config first"),
+    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "config", Kind.INSTANCE_ATTRIBUTE, _HF,
+                "the ds_config canonicalised in place", found_in="__init__"),
+    PrivateName("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "engine", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "tells whether it wraps the released engine", found_in="__init__"),
+    PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "forgets the released inference engine", found_in="__init__"),
+    PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
+                _TRAINER, "forgets the released inference engine", found_in="__init__"),
+    # -- transformers (optional) -------------------------------------------------------------------------
+    PrivateName("transformers.trainer", None, "deepspeed_init", Kind.MODULE_ATTRIBUTE, _TRAINER,
+                "patched: releases an inference-only ODC engine before training"),
+    PrivateName("transformers.trainer", "Trainer", "deepspeed_init", Kind.CALL_TIME_LOOKUP, _TRAINER,
+                "so the patch reaches training", found_in="_prepare_for_training"),
+    PrivateName("transformers.trainer", "Trainer", "deepspeed", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "forgets the released inference engine", found_in="__init__"),
+    PrivateName("transformers.trainer", "Trainer", "accelerator", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "where the released engine is registered", found_in="create_accelerator_and_postprocess"),
+)
+
+
+# -- checking -----------------------------------------------------------------------------------------
+def _owner(entry: PrivateName):
+    owner = importlib.import_module(entry.module)
+    for part in entry.cls.split(".") if entry.cls else ():
+        owner = getattr(owner, part)
+    return owner
+
+
+def _code(function) -> types.CodeType:
+    return inspect.unwrap(getattr(function, "__func__", function)).__code__
+
+
+def _last_line(code: types.CodeType) -> int:
+    nested = [_last_line(const) for const in code.co_consts if isinstance(const, types.CodeType)]
+    return max([line for _, _, line in code.co_lines() if line] + nested + [code.co_firstlineno])
+
+
+def _source(entry: PrivateName, owner, cache: dict) -> str:
+    """The text of ``entry.found_in``: a function's definition (the lines its code spans), or a file."""
+    key = (entry.owner, entry.found_in)
+    if key not in cache:
+        if "/" in entry.found_in:
+            package_dir = os.path.dirname(inspect.getfile(importlib.import_module(entry.module)))
+            with open(os.path.join(package_dir, entry.found_in), encoding="utf-8", errors="replace") as file:
+                cache[key] = file.read()
+        else:
+            code = _code(getattr(owner, entry.found_in))
+            lines = linecache.getlines(code.co_filename)
+            cache[key] = "".join(lines[code.co_firstlineno - 1:_last_line(code)])
+    return cache[key]
+
+
+def _as_written_in(cls: str | None, name: str) -> str:
+    """``_Cls__x`` is written ``__x`` inside class ``Cls`` (Python mangles it when compiling)."""
+    if cls:
+        prefix = f"_{cls.split('.')[-1].lstrip('_')}__"
+        if name.startswith(prefix):
+            return "__" + name[len(prefix):]
+    return name
+
+
+def _assigned_attributes(source: str, receiver: str) -> set[str]:
+    """Names in ``<receiver>.<name> =`` or ``<receiver>.<name>: T =`` (not ``==``, not ``.<name>.x =``)."""
+    return set(re.findall(rf"\b{receiver}\.(\w+)\s*(?::[^=\n]*)?=(?!=)", source))
+
+
+def _present(entry: PrivateName, cache: dict) -> bool:
+    kind = entry.kind
+    try:
+        owner = _owner(entry)
+        if kind in (Kind.MODULE_ATTRIBUTE, Kind.CLASS_ATTRIBUTE):
+            return hasattr(owner, entry.name)
+        if kind is Kind.METHOD:
+            return callable(getattr(owner, entry.name, None))
+        if kind is Kind.DATACLASS_FIELD:
+            return dataclasses.is_dataclass(owner) and entry.name in {f.name for f in dataclasses.fields(owner)}
+        if kind is Kind.CALL_TIME_LOOKUP:
+            return entry.name in _code(getattr(owner, entry.found_in)).co_names
+        source = _source(entry, owner, cache)
+    except Exception:  # noqa: BLE001 - a module that fails to import, a class or function gone: not there
+        return False
+    if kind in (Kind.INSTANCE_ATTRIBUTE, Kind.PARAMETER_ATTRIBUTE):
+        receiver = "self" if kind is Kind.INSTANCE_ATTRIBUTE else "param"
+        key = (entry.owner, entry.found_in, receiver)
+        if key not in cache:
+            cache[key] = _assigned_attributes(source, receiver)
+        return _as_written_in(entry.cls, entry.name) in cache[key]
+    if kind is Kind.CHECKPOINT_KEY:
+        key = re.escape(entry.name)
+        return re.search(rf"\b{key}=|['\"]{key}['\"]", source) is not None
+    return entry.name in source  # Kind.FILE_NAME
+
+
+def check_surface(include_hf: bool = False, entries: tuple[PrivateName, ...] = SURFACE) -> list[PrivateName]:
+    """The entries not found. accelerate / transformers entries only with ``include_hf=True``, and only
+    for those of the two that are installed (checking imports them: seconds for transformers)."""
+    cache: dict = {}  # (owner, found_in) -> source text; (owner, found_in, receiver) -> names it assigns
+    missing = []
+    for entry in entries:
+        if entry.package in OPTIONAL_PACKAGES and not (include_hf and importlib.util.find_spec(entry.package)):
+            continue
+        if not _present(entry, cache):
+            missing.append(entry)
+    return missing
+
+
+def format_missing(missing: list[PrivateName]) -> str:
+    """The ImportError text: every missing name, where it was expected, and who needs it."""
+    import deepspeed
+    import torch
+
+    from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
+
+    lines = [f"ds_odc {__import__('ds_odc').__version__} supports deepspeed=={SUPPORTED_DEEPSPEED} (found "
+             f"deepspeed {deepspeed.__version__}, torch {torch.__version__}), and {len(missing)} private name(s) "
+             "it relies on are missing:"]
+    lines += [f"  - {entry.describe()}: needed by {entry.used_by} ({entry.why})" for entry in missing]
+    lines.append(f"Install deepspeed=={SUPPORTED_DEEPSPEED} (and a torch release it supports); the names ds_odc "
+                 "relies on are listed in ds_odc/integration/surface.py.")
+    return "\n".join(lines)
+
+
+def assert_surface(include_hf: bool = False) -> None:
+    """Raise ImportError naming every missing entry (see :func:`check_surface`)."""
+    missing = check_surface(include_hf=include_hf)
+    if missing:
+        raise ImportError(format_missing(missing))

@@ -1,0 +1,227 @@
+"""``ds_odc.integration.surface``: every private name ds_odc relies on is listed, found, and missed loudly."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import deepspeed.runtime.engine as ds_engine
+import deepspeed.runtime.zero.partitioned_param_coordinator as ds_coordinator
+import deepspeed.runtime.zero.stage3 as ds_stage3
+import pytest
+
+from ds_odc.integration import register, surface
+from ds_odc.integration.surface import SURFACE, Kind, PrivateName, assert_surface, check_surface
+from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = "tests/unit/test_surface.py"  # the user named by the entries these tests make up
+
+
+def _entry(name: str) -> PrivateName:
+    (entry,) = [e for e in SURFACE if e.name == name and e.kind in (Kind.METHOD, Kind.MODULE_ATTRIBUTE)]
+    return entry
+
+
+# -- on the pinned releases, everything is where ds_odc expects it ---------------------------------------
+def test_every_deepspeed_and_torch_entry_is_found_on_the_pinned_release():
+    missing = check_surface()
+    assert missing == [], surface.format_missing(missing)
+
+
+def test_every_accelerate_and_transformers_entry_is_found_on_the_pinned_releases():
+    pytest.importorskip("transformers")
+    missing = check_surface(include_hf=True)
+    assert missing == [], surface.format_missing(missing)
+
+
+def test_importing_ds_odc_checks_no_hf_name_and_imports_neither_hf_library():
+    code = ("import sys, ds_odc\n"
+            "assert not {'transformers', 'accelerate'} & set(sys.modules), sorted(sys.modules)\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_ODC_AUTOLOAD": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_hf_entries_are_checked_only_when_asked_and_installed(monkeypatch):
+    pytest.importorskip("accelerate")
+    gone = PrivateName("accelerate.utils.deepspeed", None, "no_such_function", Kind.MODULE_ATTRIBUTE, HERE, "test")
+    assert check_surface(entries=(gone,)) == []
+    assert check_surface(include_hf=True, entries=(gone,)) == [gone]
+    monkeypatch.setattr(surface.importlib.util, "find_spec", lambda name: None)  # as if not installed
+    assert check_surface(include_hf=True, entries=(gone,)) == []
+
+
+# -- each kind of check reports a name that is gone ---------------------------------------------------------
+@pytest.mark.parametrize("owner, name", [
+    (ds_stage3.DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups"),
+    (ds_stage3.DeepSpeedZeroOptimizer_Stage3, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"),
+    (ds_engine.DeepSpeedEngine, "_take_model_step"),
+    (ds_coordinator, "assert_ints_same_as_other_ranks"),
+])
+def test_a_removed_method_or_module_attribute_is_reported_by_name(monkeypatch, owner, name):
+    monkeypatch.delattr(owner, name)
+    assert check_surface() == [_entry(name)]
+    with pytest.raises(ImportError) as raised:
+        assert_surface()
+    message = str(raised.value)
+    assert f"{_entry(name).owner}.{name}: needed by {_entry(name).used_by}" in message
+    assert f"deepspeed=={SUPPORTED_DEEPSPEED}" in message and "ds_odc/integration/surface.py" in message
+
+
+def test_every_missing_name_is_listed_in_one_error(monkeypatch):
+    monkeypatch.delattr(ds_stage3.DeepSpeedZeroOptimizer_Stage3, "_post_step")
+    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_backward_post_hook")
+    monkeypatch.delattr(ds_coordinator, "assert_ints_same_as_other_ranks")
+    with pytest.raises(ImportError) as raised:
+        assert_surface()
+    message = str(raised.value)
+    assert "3 private name(s)" in message
+    for name in ("_post_step", "_backward_post_hook", "assert_ints_same_as_other_ranks"):
+        assert name in message
+
+
+def test_registering_ds_odc_fails_on_a_missing_name(monkeypatch):
+    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_configure_zero_optimizer")
+    expected = r"DeepSpeedEngine\._configure_zero_optimizer: needed by ds_odc/integration/engine_hooks\.py"
+    with pytest.raises(ImportError, match=expected):
+        register()
+
+
+def _helper():
+    return None
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list = dataclasses.field(default_factory=list)
+
+
+class _ZeroLike:
+    """Stands in for a DeepSpeed class; ``_ZeroLikeRenamed`` is the same after an upstream rename."""
+    STATUS = 1
+
+    def __init__(self):
+        self.lp_buffer = None
+        self.__grads: dict = {}  # name-mangled: _ZeroLike__grads
+
+    def reduce_ipg_grads(self):
+        return None
+
+    def step(self):
+        return _helper()
+
+    def convert(self, param):
+        param.ds_id = 0
+
+    def state(self):
+        return dict(frozen_shapes=None)
+
+    def file_name(self):
+        return "zero_pp_rank_0_model_states.pt"
+
+
+@dataclasses.dataclass
+class _BucketRenamed:
+    tensors: list = dataclasses.field(default_factory=list)
+
+
+class _ZeroLikeRenamed:
+    STATUS_V2 = 1
+
+    def __init__(self):
+        self.lp_buffer_v2 = None
+        self.__grads_v2: dict = {}
+
+    def reduce_and_partition_ipg_grads(self):
+        return None
+
+    def step(self):
+        return None
+
+    def convert(self, param):
+        param.ds_index = 0
+
+    def state(self):
+        return dict(frozen_sizes=None)
+
+    def file_name(self):
+        return "rank_0_model_states.pt"
+
+
+_RENAMED_ENTRIES = [
+    (Kind.MODULE_ATTRIBUTE, None, "_helper", None),
+    (Kind.METHOD, "_ZeroLike", "reduce_ipg_grads", None),
+    (Kind.CLASS_ATTRIBUTE, "_ZeroLike", "STATUS", None),
+    (Kind.DATACLASS_FIELD, "_Bucket", "params", None),
+    (Kind.INSTANCE_ATTRIBUTE, "_ZeroLike", "lp_buffer", "__init__"),
+    (Kind.INSTANCE_ATTRIBUTE, "_ZeroLike", "_ZeroLike__grads", "__init__"),
+    (Kind.PARAMETER_ATTRIBUTE, "_ZeroLike", "ds_id", "convert"),
+    (Kind.CALL_TIME_LOOKUP, "_ZeroLike", "_helper", "step"),
+    (Kind.CHECKPOINT_KEY, "_ZeroLike", "frozen_shapes", "state"),
+    (Kind.FILE_NAME, "_ZeroLike", "zero_pp_rank_", "file_name"),
+]
+
+
+@pytest.mark.parametrize("kind, cls, name, found_in", _RENAMED_ENTRIES,
+                         ids=[f"{kind.value}: {name}" for kind, _, name, _ in _RENAMED_ENTRIES])
+def test_every_kind_of_check_finds_the_name_and_reports_it_once_renamed(monkeypatch, kind, cls, name, found_in):
+    entry = PrivateName(__name__, cls, name, kind, HERE, "test", found_in=found_in)
+    assert check_surface(entries=(entry,)) == []
+    module = sys.modules[__name__]
+    if cls is None:
+        monkeypatch.delattr(module, name)
+    else:
+        monkeypatch.setattr(module, cls, {"_ZeroLike": _ZeroLikeRenamed, "_Bucket": _BucketRenamed}[cls])
+    assert check_surface(entries=(entry,)) == [entry]
+    assert name in surface.format_missing([entry])
+
+
+def test_a_renamed_assignment_is_reported_with_the_method_that_should_make_it(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_ZeroLike", _ZeroLikeRenamed)
+    entry = PrivateName(__name__, "_ZeroLike", "lp_buffer", Kind.INSTANCE_ATTRIBUTE, HERE, "test", found_in="__init__")
+    message = surface.format_missing(check_surface(entries=(entry,)))
+    assert f"self.lp_buffer assigned in {__name__}._ZeroLike.__init__: needed by {HERE}" in message
+
+
+# -- the list stays complete and current ---------------------------------------------------------------------
+def _sources(folder: str):
+    """``{path from the repository root: text}`` of the Python files under ``folder``."""
+    found = {}
+    for directory, _, files in os.walk(os.path.join(ROOT, folder)):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(directory, file)
+                with open(path) as source:
+                    found[os.path.relpath(path, ROOT)] = source.read()
+    return found
+
+
+def test_every_name_mangled_deepspeed_name_used_under_ds_odc_is_listed():
+    listed = {entry.name for entry in SURFACE}
+    used = {(path, name) for path, text in _sources("ds_odc").items()
+            for name in re.findall(r"\b_DeepSpeed\w*?__[A-Za-z]\w*", text)}
+    assert used, "the pattern no longer finds the mangled names ds_odc is known to use"
+    unlisted = sorted(f"{name} ({path})" for path, name in used if name not in listed)
+    assert not unlisted, f"add these to SURFACE in ds_odc/integration/surface.py: {unlisted}"
+
+
+def test_every_entry_names_the_ds_odc_files_that_use_it():
+    """A name a rewrite stopped using must leave the list (and a renamed file be followed)."""
+    sources = {**_sources("ds_odc"), "ds_odc_autoload.py": open(os.path.join(ROOT, "ds_odc_autoload.py")).read()}
+    stale = []
+    for entry in SURFACE:
+        for path in entry.used_by.split(", "):
+            text = sources.get(path, "")
+            word = re.escape(entry.name) if entry.kind is Kind.FILE_NAME else rf"(?<!\w){re.escape(entry.name)}(?!\w)"
+            if not re.search(word, text):
+                stale.append(f"{entry.describe()} not in {path}")
+    assert not stale, "update SURFACE in ds_odc/integration/surface.py:\n" + "\n".join(stale)
+
+
+def test_entries_are_unique_and_source_checks_say_where_to_look():
+    keys = [(e.owner, e.name, e.kind, e.found_in) for e in SURFACE]
+    assert len(keys) == len(set(keys))
+    needs_source = {Kind.INSTANCE_ATTRIBUTE, Kind.PARAMETER_ATTRIBUTE, Kind.CALL_TIME_LOOKUP, Kind.CHECKPOINT_KEY,
+                    Kind.FILE_NAME}
+    assert all((e.found_in is not None) == (e.kind in needs_source) for e in SURFACE)
