@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from ds_odc.comm.rendezvous import RoundKind
+
 MIB = 1 << 20
 
 
@@ -132,14 +134,14 @@ def _gemm_rows(transport, args):
     rows = []
     for kind in ("pull", "push"):
         alone = _gemm_median(args.gemm_seconds, args.gemm, device) if rank == 1 else 0.0
-        transport.exchange(torch.zeros(1), f"gemm baseline before {kind}")
+        transport.exchange(RoundKind.TEST, 0, torch.zeros(1), f"gemm baseline before {kind}")
         busy = 0.0
         if rank == 0:
             _traffic(transport, kind, args.gemm_seconds + 1.0, 64 * MIB)
         elif rank == 1:
             time.sleep(0.5)  # let the traffic start; it outlasts the measurement by 0.5 s
             busy = _gemm_median(args.gemm_seconds, args.gemm, device)
-        both = transport.exchange(torch.tensor([alone, busy]), f"gemm under {kind}")
+        both = transport.exchange(RoundKind.TEST, 0, torch.tensor([alone, busy]), f"gemm under {kind}")
         rows.append((kind, both[1, 0].item(), both[1, 1].item()))
     return rows
 
@@ -190,12 +192,12 @@ def _rank_main(rank, world, port, args, results):
     try:
         peer_gpu = torch.device("cuda", 1 % gpus) if gpus > 1 else None
         bandwidth = _bandwidth_rows(transport, args, peer_gpu) if rank == 0 else None
-        transport.exchange(torch.zeros(1), "bandwidth done")
+        transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "bandwidth done")
         gemm = own = None
         if gpus > 1:
             gemm = _gemm_rows(transport, args)
             own = _own_gemm_under_push(transport, args) if rank == 0 else None
-            transport.exchange(torch.zeros(1), "gemm done")
+            transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "gemm done")
         if rank == 0:
             results.put((bandwidth, gemm, own, torch.cuda.get_device_name(transport.device), gpus))
     finally:

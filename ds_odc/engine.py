@@ -75,19 +75,28 @@ class ODCEngine(ODCEngineHooks, ODCCheckpointHooks, DeepSpeedEngine):
     def _odc_record_backward(self, scale_wrt_gas: bool) -> None:
         """Ledger entry for a torch-style ``loss.backward()`` (engine.backward records its own)."""
         decided = self._odc_rule_for_backward(scale_wrt_gas)
-        self._odc_ledger.record(decided.rule, decided.tokens)
+        self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
 
     # -- public API ------------------------------------------------------------------------------
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
         """``DeepSpeedEngine.backward`` plus an optional ``loss_tokens`` (per-token normalisation).
 
+        A backward that fails before any gradient reached ZeRO-3's buckets may be retried; one that
+        fails after has pushed, or would push again, part of its gradients: it fails the ODC group.
         Returns what DeepSpeed returns: the loss as scaled for accumulation."""
         if loss_tokens is not None:
             self.set_loss_tokens(loss_tokens)
         decided = self._odc_rule_for_backward(scale_wrt_gas)
-        result = super().backward(loss, retain_graph=retain_graph,
-                                  scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
-        self._odc_ledger.record(decided.rule, decided.tokens)
+        optimizer = self.optimizer
+        seen = optimizer.odc_gradients_seen
+        try:
+            result = super().backward(loss, retain_graph=retain_graph,
+                                      scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
+        except BaseException as err:
+            if optimizer.odc_gradients_seen != seen:
+                optimizer.odc.fail(err, "backward (part of its gradients already reached the owners)")
+            raise
+        optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
         return result
 
     def load_checkpoint(self, *args, **kwargs):
@@ -98,7 +107,8 @@ class ODCEngine(ODCEngineHooks, ODCCheckpointHooks, DeepSpeedEngine):
 
     @property
     def odc_phase(self) -> Phase:
-        """IDLE, ACCUMULATING (gradients pushed since the last step) or STEP."""
+        """The step protocol's phase: IDLE, ACCUMULATING (gradients pushed since the last step), one
+        of the step's phases, FAILED (the group failed: the engine refuses to continue) or CLOSED."""
         return self.optimizer.odc.phase
 
     @property

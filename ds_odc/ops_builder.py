@@ -1,11 +1,18 @@
 """Builder of ds_odc's compiled operators: JIT-compiled with ninja on first use, cached, never at import.
 
-There is one operator today, ``cuda_ipc`` (``ops/csrc``): CUDA IPC windows and the fp32/fp64
-scatter-accumulate kernel that the ``cuda_ipc`` transport pushes with. It is compiled by
-``torch.utils.cpp_extension.load`` the first time a CUDA IPC transport allocates its windows, into
-a cache directory named after the sources' hash, torch's version and its CUDA version, so a
-changed source or a new torch rebuilds it and an unchanged one is loaded in a fraction of a second.
-Concurrent ranks building at once are serialised by torch's lock file in that directory.
+Two operators (``ops/csrc``):
+
+* ``ds_odc_atomics``: release/acquire stores and loads of the 64-bit control words of the step
+  rendezvous (plain C, no torch headers, built in about a second, called through ctypes). Built
+  the first time a transport allocates its windows (``make venv`` builds it ahead);
+* ``ds_odc_cuda_ipc``: CUDA IPC windows and the fp32/fp64 scatter-accumulate kernel that the
+  ``cuda_ipc`` transport pushes with, built the first time a CUDA IPC transport allocates.
+
+Each is compiled by ``torch.utils.cpp_extension.load`` into a cache directory named after the
+sources' hash, torch's version and its CUDA version, so a changed source or a new torch rebuilds it
+and an unchanged one is loaded in a fraction of a second. Concurrent ranks building at once are
+serialised by torch's lock file in that directory; a lock file older than the operator's longest
+plausible build was left by a build that was killed, and is removed (torch would wait on it forever).
 
 Nothing here runs at ``import ds_odc``: importing never needs nvcc, CUDA or ninja. Where to cache:
 ``TORCH_EXTENSIONS_DIR`` (torch's own setting) or ``~/.cache/torch_extensions``, under ``ds_odc/``.
@@ -33,6 +40,10 @@ class OpSpec:
     sources: tuple
     headers: tuple = ()
     needs_cuda: bool = True
+    python_module: bool = True
+    """False: plain C functions, loaded with ctypes (no pybind11, no torch headers)."""
+    stale_lock_s: float = 1800.0
+    """A build lock older than this was left by a killed build (see the module docstring)."""
 
     def source_paths(self) -> List[Path]:
         return [OPS_DIR / s for s in self.sources]
@@ -49,7 +60,9 @@ class OpSpec:
 
 CUDA_IPC = OpSpec("ds_odc_cuda_ipc", sources=("csrc/odc_ops.cpp", "csrc/odc_kernels.cu"),
                   headers=("csrc/odc_kernels.h",))
-OPS = (CUDA_IPC,)
+ATOMICS = OpSpec("ds_odc_atomics", sources=("csrc/odc_atomics.cpp",), needs_cuda=False, python_module=False,
+                 stale_lock_s=120.0)
+OPS = (ATOMICS, CUDA_IPC)
 
 _loaded: dict = {}
 _load_lock = threading.Lock()
@@ -119,7 +132,8 @@ def op_status() -> List[dict]:
 
 
 def load_op(spec: OpSpec = CUDA_IPC, *, verbose: bool = False):
-    """The compiled module of ``spec``, building it with ninja on first use (minutes, once per cache).
+    """The compiled module of ``spec`` (a ``ctypes.CDLL`` for plain-C operators), building it with
+    ninja on first use (seconds to minutes, once per cache).
 
     Raises :class:`RuntimeError` naming the reason when it cannot be built here."""
     with _load_lock:
@@ -131,23 +145,41 @@ def load_op(spec: OpSpec = CUDA_IPC, *, verbose: bool = False):
         directory = build_directory(spec)
         directory.mkdir(parents=True, exist_ok=True)
         library = _library_path(spec)
+        _remove_stale_lock(directory / "lock", spec.stale_lock_s)
         building = (directory / "lock").exists()  # torch's baton: another rank is compiling right now
         if library.exists() and not building:
-            module = _import_built(spec.name, library)
+            module = _import_built(spec, library)
         else:
             from torch.utils.cpp_extension import load
 
-            module = load(name=spec.name, sources=[str(p) for p in spec.source_paths()],
-                          extra_include_paths=[str(OPS_DIR / "csrc")], extra_cuda_cflags=["-O3"],
-                          extra_cflags=["-O3"], build_directory=str(directory), verbose=verbose)
+            built = load(name=spec.name, sources=[str(p) for p in spec.source_paths()],
+                         extra_include_paths=[str(OPS_DIR / "csrc")], extra_cuda_cflags=["-O3"],
+                         extra_cflags=["-O3"], build_directory=str(directory), verbose=verbose,
+                         is_python_module=spec.python_module)
+            module = built if spec.python_module else _import_built(spec, library)
         _loaded[spec.name] = module
         return module
 
 
-def _import_built(name: str, library: Path):
+def _remove_stale_lock(lock: Path, older_than_s: float) -> None:
+    import time
+
+    try:
+        if time.time() - lock.stat().st_mtime > older_than_s:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _import_built(spec: OpSpec, library: Path):
     """Import an already-built extension without invoking ninja (no lock file, no compiler)."""
     import torch  # noqa: F401  the extension links against torch's libraries, loaded by this import
 
+    name = spec.name
+    if not spec.python_module:
+        import ctypes
+
+        return ctypes.CDLL(str(library))
     loader_spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(loader_spec)
     loader_spec.loader.exec_module(module)

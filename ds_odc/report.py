@@ -1,8 +1,9 @@
 """``python -m ds_odc report``: what this environment can run, in the spirit of ``ds_report``.
 
-Three sections: the versions of ds_odc and of what it integrates with; the transports (which are
-usable on this machine and, for the others, why not); the compiled operators (built, buildable,
-or why not). It only inspects: nothing is compiled, no process group or window is created, and
+Sections: the versions of ds_odc and of what it integrates with; the transports (which are
+usable on this machine and, for the others, why not); the control plane's memory ordering
+(release/acquire through the ``ds_odc_atomics`` operator, the x86-64 fallback, or why neither);
+the compiled operators (built, buildable, or why not). It only inspects: nothing is compiled, no process group or window is created, and
 optional packages (transformers, accelerate) are looked up by their installed metadata rather than
 imported, so the report takes about as long as ``import ds_odc``.
 """
@@ -97,6 +98,13 @@ def transports() -> Dict[str, Tuple[bool, str]]:
     return found
 
 
+def control_plane() -> Dict[str, Tuple[bool, str]]:
+    """How ranks order their shared control words (release/acquire), without building anything."""
+    from ds_odc.comm.ordering import describe
+
+    return {"memory ordering": describe()}
+
+
 def ops() -> List[dict]:
     """One dict per compiled operator (name, built, buildable, reason); empty when there are none."""
     try:
@@ -109,7 +117,7 @@ def ops() -> List[dict]:
 def collect() -> dict:
     """Everything the report shows, as plain data (``--json``)."""
     sections: Dict[str, Callable] = {"versions": versions, "environment": environment,
-                                     "transports": transports, "ops": ops}
+                                     "transports": transports, "control plane": control_plane, "ops": ops}
     data = {}
     for name, probe in sections.items():
         try:
@@ -133,6 +141,10 @@ def render(data: dict) -> str:
     else:
         rows = [(name, f"{GOOD if ok else BAD} {reason}") for name, (ok, reason) in transport_rows.items()]
     lines += _rows("transports (zero_optimization.odc.transport)", rows)
+    plane = data["control plane"]
+    rows = [("control plane", plane["error"])] if "error" in plane else \
+        [(name, f"{GOOD if ok else BAD} {text}") for name, (ok, text) in plane.items()]
+    lines += _rows("control plane (step rendezvous, liveness, failures)", rows)
     op_rows = data["ops"]
     if isinstance(op_rows, dict):
         rows = [("ops", op_rows["error"])]

@@ -13,3 +13,6 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
   touch "$stamp"
 fi
+# JIT-built operators, built here rather than by the first rank that needs one (see the script)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
+.venv/bin/python scripts/prebuild_ops.py

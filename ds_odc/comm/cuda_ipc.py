@@ -1,10 +1,11 @@
 """The ``cuda_ipc`` transport: one-sided windows in GPU memory, for the ranks of one node.
 
 Per rank, created once in :meth:`CudaIpcTransport.allocate`: a parameter window (compute dtype)
-and a gradient accumulator (fp32 or fp64), each one ``cudaMalloc`` whose IPC handle is exchanged
-once; every rank maps every peer's windows. The step rendezvous runs on the host, over the same
-shared-memory control blocks as the ``shm`` transport (``rendezvous.py``): a fence is a handful of
-float stores, and dead or stuck peers are detected there exactly as on CPU.
+and a gradient accumulator (fp32 or fp64), each one ``cudaMalloc`` whose IPC handles travel in the
+rank's control block; every rank maps every peer's windows. The control plane (lock file, control
+block, typed rounds, liveness, the failure record) is the ``shm`` transport's, allocated by the same
+:class:`~ds_odc.comm.session.NodeAllocation` protocol: a fence is a handful of stores in host
+shared memory, and dead, failed or stuck peers are detected there exactly as on CPU.
 
 * **pull** = ``out.copy_(peer_window[offset:offset+n])`` on a dedicated pull stream, which first
   waits for the caller's stream (``out`` is ready) and which the caller's stream then waits for
@@ -33,11 +34,13 @@ import time
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.control import ControlPlane, State, W_UNMAPPED
 from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
-from ds_odc.comm.rendezvous import StepRendezvous, control_numel, pid_alive
-from ds_odc.comm.shm_segment import create_segment, map_segment, segment_path, unlink_quietly
-from ds_odc.comm.transport import Transport, WindowSpec, agree_on_session
+from ds_odc.comm.rendezvous import Rendezvous, RoundKind
+from ds_odc.comm.session import NodeAllocation, format_bytes
+from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.errors import ODCConfigError
 
 #: Gradient dtypes the push kernel reads directly; others are converted to fp32 first.
 PUSHABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,6 +49,7 @@ CLOSE_WAIT_S = 10.0
 #: Windows a live peer may still map when their owner closed: kept until process exit rather than
 #: freed under the peer (freeing exported memory that another process maps is undefined in CUDA).
 _KEPT_FOR_PEERS: list = []
+HANDLE_BYTES = 64
 
 
 def device_uuid(index: int) -> str:
@@ -70,10 +74,10 @@ class CudaIpcTransport(Transport):
         self._ops = None  # the compiled operator, loaded (built on first use) by allocate()
         self._param_windows: list = []
         self._grad_windows: list = []
-        self._controls: list = []
+        self._blocks: list = []
+        self._locks: list = []
         self._own: tuple = ()
-        self._exported = False  # peers may hold our IPC handles (and so may have mapped our windows)
-        self._rendezvous: StepRendezvous | None = None
+        self._exported = False  # our IPC handles are in our control block: peers may have mapped our windows
         self._pull_stream = None
         self._closed = False
 
@@ -88,38 +92,66 @@ class CudaIpcTransport(Transport):
         tdist.all_gather_object(devices, me, group=self.group)
         local_uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
         resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
-        session = agree_on_session(self.rank, self.group)
-        width = control_numel(spec.exchange_width)
-        ctrl = segment_path(self.shm_dir, session, self.rank, "ctrl")
-        param_bytes = spec.param_numel * _itemsize(spec.param_dtype)
-        grad_bytes = spec.grad_numel * _itemsize(spec.grad_dtype)
+        allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, {}, self.group)
+        allocation.plan()
         try:
-            create_segment(ctrl, (width + 1) * 8)
-            own_params, params_handle = self._ops.alloc_window(param_bytes, index)
-            own_grads, grads_handle = self._ops.alloc_window(grad_bytes, index)
-            self._own = (own_params, own_grads)
-            handles = [None] * self.world_size
-            self._exported = True
-            tdist.all_gather_object(handles, (params_handle, grads_handle), group=self.group)
-            for peer in range(self.world_size):
-                self._controls.append(map_segment(segment_path(self.shm_dir, session, peer, "ctrl"), width + 1,
-                                                  torch.float64))
-                if peer == self.rank:
-                    params, grads = own_params, own_grads
-                else:
-                    params = self._ops.open_window(handles[peer][0], param_bytes, index)
-                    grads = self._ops.open_window(handles[peer][1], grad_bytes, index)
-                self._param_windows.append(params.view(spec.param_dtype))
-                self._grad_windows.append(grads.view(spec.grad_dtype))
-            tdist.barrier(group=self.group)
+            with allocation.guarded():
+                allocation.run(lambda: self._create_windows(allocation, spec))
+                allocation.agree(f"allocating its GPU windows on {self.device}")
+                allocation.run(lambda: self._map_every_rank(allocation, spec))
+                allocation.agree("mapping its peers' GPU windows")
+                allocation.unlink_own()
         except BaseException:
-            self.close()
+            allocation.abort()
+            self._release_after_failure()
             raise
-        finally:
-            unlink_quietly(ctrl)
         self._pull_stream = torch.cuda.Stream(device=self.device)
-        blocks = [block.narrow(0, 0, width) for block in self._controls]
-        self._rendezvous = StepRendezvous(self.rank, blocks, spec.exchange_width, self.timeout_s)
+        self._blocks[self.rank].set_state(State.RUNNING)
+        self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
+                                  lambda r: f"rank {r} (pid {allocation.infos[r].pid}, {devices[r].uuid})")
+        self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
+
+    def _create_windows(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
+        block = allocation.create_own_files(self.timeout_s)
+        param_bytes, grad_bytes = _nbytes(spec)
+        try:
+            own_params, params_handle = self._ops.alloc_window(param_bytes, self.device.index)
+            own_grads, grads_handle = self._ops.alloc_window(grad_bytes, self.device.index)
+        except RuntimeError as err:
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise ODCConfigError(
+                f"{self.device}: cannot allocate rank {self.rank}'s GPU windows ({format_bytes(param_bytes)} "
+                f"parameters + {format_bytes(grad_bytes)} gradient accumulator; {format_bytes(free)} of "
+                f"{format_bytes(total)} free): {err}. Free GPU memory, use more GPUs, or a smaller model") from None
+        self._own = (own_params, own_grads)
+        self._exported = True
+        block.write_blob(bytes(params_handle) + bytes(grads_handle))
+
+    def _map_every_rank(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
+        allocation.open_peer_locks(self.timeout_s)
+        self._locks = allocation.peer_locks
+        self._blocks = [allocation.map_control(r) for r in range(self.world_size)]
+        param_bytes, grad_bytes = _nbytes(spec)
+        for peer, block in enumerate(self._blocks):
+            if peer == self.rank:
+                params, grads = self._own
+            else:
+                handles = block.read_blob()
+                params = self._ops.open_window(handles[:HANDLE_BYTES], param_bytes, self.device.index)
+                grads = self._ops.open_window(handles[HANDLE_BYTES:], grad_bytes, self.device.index)
+            self._param_windows.append(params.view(spec.param_dtype))
+            self._grad_windows.append(grads.view(spec.grad_dtype))
+
+    def _release_after_failure(self) -> None:
+        """The allocation failed: drop our mappings of peers; our own windows may be mapped by a live
+        peer that saw our handles, so they are kept until exit, never freed under it."""
+        self._param_windows.clear()
+        self._grad_windows.clear()
+        self._blocks.clear()
+        if self._own and self._exported:
+            _KEPT_FOR_PEERS.append(self._own)
+        self._own = ()
+        self._closed = True
 
     # -- one-sided access ------------------------------------------------------------------------
     def local_param_window(self) -> torch.Tensor:
@@ -157,13 +189,9 @@ class CudaIpcTransport(Transport):
             self._ops.scatter_add(target, grad, plan.head, plan.groups, plan.vector_loads, plan.blocks, plan.threads)
         grad.record_stream(torch.cuda.current_stream(self.device))  # not reused before the kernel read it
 
-    def heartbeat(self) -> None:
-        self._rendezvous.heartbeat()
-
-    def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        self.exchanges += 1
+    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         torch.cuda.synchronize(self.device)  # this rank's pushes, pulls and window writes have completed
-        return self._rendezvous.exchange(values.detach().to("cpu", torch.float64).reshape(-1), what)
+        return super().exchange(kind, step, values, what)
 
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -177,27 +205,36 @@ class CudaIpcTransport(Transport):
                 pass
         self._param_windows.clear()  # drops the peer mappings (cudaIpcCloseMemHandle)
         self._grad_windows.clear()
-        self._rendezvous = None
-        mapped_every_peer = len(self._controls) == self.world_size
-        if self._own and self._exported and (not mapped_every_peer or not self._peers_unmapped()):
+        if self._own and not self._peers_unmapped():
             _KEPT_FOR_PEERS.append(self._own)
         self._own = ()
-        self._controls.clear()
+        self._close_plane()
+        self._blocks.clear()
+        for lock in self._locks:
+            lock.close()
+        self._locks = []
 
     def _peers_unmapped(self) -> bool:
-        """Mark our mappings of peers closed; wait (bounded) until every live peer has closed its
-        mappings of ours, so that freeing our windows is safe."""
-        flag = self._controls[0].numel() - 1
-        self._controls[self.rank][flag] = 1.0
+        """Say we dropped our mappings of peers; wait (bounded) until every peer that is alive has
+        dropped its mappings of ours, so that freeing our windows is safe. Liveness is the peers'
+        life lock, so a peer that has not exited is never taken for dead."""
+        if self.plane is None:
+            return False
+        me = self.plane.me
+        me.ordering.store_release(me.words, W_UNMAPPED, 1)
         deadline = time.monotonic() + min(self.timeout_s, CLOSE_WAIT_S)
-        pending = [r for r in range(self.world_size) if r != self.rank]
+        pending = self.plane.peers()
         while pending:
-            pending = [r for r in pending
-                       if self._controls[r][flag].item() != 1.0 and pid_alive(int(self._controls[r][0].item()))]
+            pending = [r for r in pending if self.plane.blocks[r].ordering.load_acquire(
+                self.plane.blocks[r].words, W_UNMAPPED) != 1 and self.plane.alive(r)]
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(1e-3)
         return not pending
+
+
+def _nbytes(spec: WindowSpec) -> tuple:
+    return spec.param_numel * _itemsize(spec.param_dtype), spec.grad_numel * _itemsize(spec.grad_dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,109 +1,174 @@
-"""The step rendezvous over shared control blocks: bounded, and it names the peer it waits for.
+"""Typed rendezvous rounds over the control blocks: checked, bounded, and never misread.
 
-Each rank owns a small float64 control block::
+A round is identified by ``(seq, step, kind, length)``: the rank's round counter, the optimizer
+step it belongs to, what the round is for (:class:`RoundKind`) and how many values it carries.
+Round ``seq`` writes its payload into the slot of parity ``seq % 2`` and publishes the header with
+a release store of ``seq``; it completes once every peer's slot of that parity holds ``seq``. Two
+slots suffice: a rank can start round ``seq + 2`` only after every rank has *arrived* at
+``seq + 1``, i.e. after everyone finished reading round ``seq``.
 
-    [pid, epoch_even, epoch_odd, heartbeat, data_even[width], data_odd[width]]
+Every peer's header is compared with this rank's: a peer at the same ``seq`` with another step,
+kind or length is an error on both sides, naming both (ranks called different things: one
+``engine.step()`` more on one rank, a checkpoint saved by one rank only), instead of reading counts
+as norms. While waiting, the rank also watches every pending peer for
 
-Round ``k`` writes its values into the data slot of parity ``k % 2``, then sets that parity's epoch
-to ``k``; it is complete once every rank's epoch of that parity reaches ``k``. Two slots suffice: a
-rank can only start round ``k + 2`` after every rank has *arrived* at ``k + 1``, i.e. after
-everyone finished reading round ``k``. On x86-64 (TSO) a store of the epoch is visible only after
-the data stores before it.
+* a **failure record** (the peer, or a rank it heard from, failed): raised at once, naming the
+  origin, its error and where it happened;
+* **death** (its life lock is free): raised within :data:`LIVENESS_PERIOD_S`;
+* **closing** (``engine.destroy()``) while others still wait for it;
+* **no progress** for ``timeout_s`` (no heartbeat, activity or round change): a peer that is
+  merely slow keeps beating and is waited for.
 
-A peer whose process is gone is reported at once. A live peer is reported once it has made no
-progress for ``timeout_s``: ranks bump their heartbeat on every pull and push, so a rank still
-working through a long micro-batch is waited for, and only a stopped or stuck one is an error.
+A failed round is final: the rendezvous refuses further rounds (a retried round would pair with
+whatever round the peers are in).
 """
 from __future__ import annotations
 
-import os
+import enum
 import time
+from typing import Optional
 
 import torch
 
+from ds_odc.comm.control import ControlPlane, FailureKind, FailureRecord, State
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
-HEADER = 4
-HEARTBEAT = 3
+#: How often a waiting rank checks that the peers it waits for are alive.
+LIVENESS_PERIOD_S = 0.05
+TIMEOUT_HINT = ("A rank busy with long host-side work between backward and engine.step() (evaluation, logging, "
+                "saving) needs a longer bound: set zero_optimization.odc.timeout_s (seconds), or the process-group "
+                "timeout it follows by default (deepspeed.init_distributed(timeout=...), or DEEPSPEED_TIMEOUT in "
+                "minutes).")
 
 
-def control_numel(width: int) -> int:
-    return HEADER + 2 * width
+class RoundKind(enum.IntEnum):
+    """What a round is for; the text is how errors name it."""
+
+    FENCE = 1
+    NORM = 2
+    PUBLISH = 3
+    WINDOWS_REWRITTEN = 4
+    BARRIER = 5
+    TEST = 6
+
+    @property
+    def text(self) -> str:
+        return {RoundKind.FENCE: "the step fence (engine.step)",
+                RoundKind.NORM: "the gradient-norm exchange",
+                RoundKind.PUBLISH: "publishing updated shards",
+                RoundKind.WINDOWS_REWRITTEN: "publishing shards rewritten outside a step",
+                RoundKind.BARRIER: "a barrier",
+                RoundKind.TEST: "a test round"}[self]
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` is a running (not zombie) process on this host."""
+def kind_text(kind: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        return RoundKind(kind).text
+    except ValueError:
+        return f"round kind {kind}"
 
 
-class StepRendezvous:
-    """All-to-all exchange of a small vector through the ranks' control blocks."""
+class Rendezvous:
+    """All-to-all exchange of small float vectors through the control blocks of ``plane``."""
 
-    def __init__(self, rank: int, blocks: list, width: int, timeout_s: float):
-        self.rank = rank
-        self.blocks = blocks  # one float64 tensor per rank, blocks[rank] is ours
+    def __init__(self, plane: ControlPlane, width: int, timeout_s: float):
+        self.plane = plane
         self.width = width
         self.timeout_s = timeout_s
-        self.round = 0
-        blocks[rank][0] = float(os.getpid())
+        self.seq = 0  # rounds this rank completed
+        self.broken: Optional[ODCPeerError] = None
 
-    def heartbeat(self) -> None:
-        """Record progress (called on every pull and push; one store)."""
-        self.blocks[self.rank][HEARTBEAT] += 1.0
-
-    def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
+    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
+        """Contribute ``values`` (1-D, at most ``width``) to round ``kind`` of ``step``; return the
+        ``[world, n]`` float64 rows, row r from rank r. Raises :class:`~ds_odc.errors.ODCPeerError`
+        (:class:`~ds_odc.errors.ODCTimeoutError` for a stalled peer) carrying the failure's record."""
+        if self.broken is not None:
+            raise ODCPeerError(f"this rank's rendezvous already failed ({self.broken}); the group cannot continue",
+                               self.broken.record)
+        values = values.detach().reshape(-1)
         n = values.numel()
         if n > self.width:
             raise ValueError(f"rendezvous payload of {n} values exceeds the width {self.width}")
-        self.round += 1
-        parity = self.round % 2
-        start = HEADER + parity * self.width
-        mine = self.blocks[self.rank]
-        mine[start:start + n] = values.to(torch.float64)
-        mine[1 + parity] = float(self.round)
-        self._wait_for_all(1 + parity, what)
-        return torch.stack([block[start:start + n].clone() for block in self.blocks])
+        seq = self.seq + 1
+        me = self.plane.me
+        me.write_round(seq, step, int(kind), values)
+        try:
+            self._wait(seq, step, int(kind), n, what or RoundKind(kind).text)
+        except ODCPeerError as err:
+            self.broken = err
+            raise
+        self.seq = seq
+        parity = seq % 2
+        return torch.stack([block.round_payload(parity, n) for block in self.plane.blocks])
 
-    def _wait_for_all(self, epoch_index: int, what: str) -> None:
-        target = float(self.round)
-        pending = [r for r in range(len(self.blocks)) if r != self.rank]
-        last_beat = {r: self.blocks[r][HEARTBEAT].item() for r in pending}
-        last_progress = {r: time.monotonic() for r in pending}
-        next_liveness_check = time.monotonic() + 0.05
+    # -- waiting ---------------------------------------------------------------------------------------
+    def _wait(self, seq: int, step: int, kind: int, n: int, what: str) -> None:
+        plane, parity = self.plane, seq % 2
+        here = f"rank {plane.rank} was at round {seq} ({what}, step {step})"
+        pending = plane.peers()
+        marks = {r: plane.blocks[r].progress_mark() for r in pending}
+        last_progress = dict.fromkeys(pending, time.monotonic())
+        next_check = time.monotonic() + LIVENESS_PERIOD_S
         pause = 5e-6
-        while pending:
-            pending = [r for r in pending if self.blocks[r][epoch_index].item() < target]
+        while True:
+            still = []
+            for r in pending:
+                block = plane.blocks[r]
+                if block.round_seq(parity) == seq:
+                    self._check_header(r, block.round_header(parity), (step, kind, n), seq, here)
+                else:
+                    still.append(r)
+            pending = still
+            self._raise_on_failures(range(plane.world_size) if not pending else pending, here)
             if not pending:
                 return
             now = time.monotonic()
-            if now >= next_liveness_check:
-                next_liveness_check = now + 0.05
-                for r in pending:
-                    pid = int(self.blocks[r][0].item())
-                    if not pid_alive(pid):
-                        raise ODCPeerError(
-                            f"rank {r} (pid {pid}) exited; rank {self.rank} was waiting for it at {what} "
-                            f"(rendezvous round {self.round})")
-                    beat = self.blocks[r][HEARTBEAT].item()
-                    if beat != last_beat[r]:
-                        last_beat[r], last_progress[r] = beat, now
-                stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
-                if stalled:
-                    raise ODCTimeoutError(
-                        f"rank(s) {stalled} made no progress for {self.timeout_s:.0f}s and did not reach {what}; "
-                        f"rank {self.rank} waited at rendezvous round {self.round}, theirs: "
-                        f"{[int(max(self.blocks[r][1].item(), self.blocks[r][2].item())) for r in stalled]}. "
-                        f"A peer is stuck, or ranks called engine.step() a different number of times.")
+            if now >= next_check:
+                next_check = now + LIVENESS_PERIOD_S
+                self._check_pending(pending, marks, last_progress, now, here, step)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _check_header(self, peer: int, theirs: tuple, mine: tuple, seq: int, here: str) -> None:
+        if theirs == mine:
+            return
+        step, kind, n = theirs
+        message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text(kind)}, step {step}, {n} values) "
+                   f"where {here.replace('was at', 'is at')} with {mine[2]} values: the ranks called different things "
+                   "(e.g. engine.step() or save_checkpoint() on some ranks only, or a different number of times)")
+        self._fail(message, FailureRecord(peer, step, kind_text(kind), "rounds out of step: " + message))
+
+    def _raise_on_failures(self, ranks, here: str) -> None:
+        for r in ranks:
+            if r == self.plane.rank:
+                continue
+            state = self.plane.blocks[r].state()
+            if state == State.FAILED:
+                record = self.plane.blocks[r].read_failure()
+                self._fail(f"{record.describe()}; {here} (reported by {self.plane.describe(r)})", record)
+
+    def _check_pending(self, pending, marks, last_progress, now: float, here: str, step: int) -> None:
+        plane = self.plane
+        for r in pending:
+            block = plane.blocks[r]
+            if block.state() == State.CLOSED:
+                record = FailureRecord(r, step, "its peers waited for it", "closed its engine (engine.destroy())",
+                                       FailureKind.CLOSED)
+                self._fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {here}", record)
+            if not plane.alive(r):
+                record = FailureRecord(r, step, block.activity_text(),
+                                       "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
+                self._fail(f"{plane.describe(r)} {record.error} while {record.where}; {here}", record)
+            mark = block.progress_mark()
+            if mark != marks[r]:
+                marks[r], last_progress[r] = mark, now
+        stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
+        if stalled:
+            r = stalled[0]
+            record = FailureRecord(r, step, plane.blocks[r].activity_text(),
+                                   f"made no progress for {self.timeout_s:.0f}s", FailureKind.STALLED)
+            message = f"{plane.describe(r)} {record.error}; it was last {record.where}; {here}. {TIMEOUT_HINT}"
+            self._fail(message, record, timeout=True)
+
+    def _fail(self, message: str, record: FailureRecord, timeout: bool = False) -> None:
+        raise (ODCTimeoutError if timeout else ODCPeerError)(message, record)

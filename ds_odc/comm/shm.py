@@ -1,28 +1,24 @@
 """The ``shm`` transport: one-sided windows in shared memory, for the ranks of one host (CPU).
 
-Per rank: a parameter window (compute dtype), a gradient accumulator (fp32), a control block for
-the step rendezvous and a lock file for the accumulator stripes, all created once in
-:meth:`ShmTransport.allocate` and unlinked as soon as every rank has mapped them.
+Per rank: a parameter window (compute dtype), a gradient accumulator (fp32 or fp64), a control
+block and a lock file (liveness, accumulator stripes), all created, reserved and mapped by
+:class:`~ds_odc.comm.session.NodeAllocation` and unlinked as soon as every rank has mapped them.
 
 * pull  = ``out.copy_(peer_window[offset:offset+n])``: a plain read of the peer's pages;
 * push  = for each stripe touched: lock, ``peer_acc[a:b].add_(grad)``, unlock. A gradient in
-  another dtype (bf16) is converted one stripe at a time: staging is at most one stripe;
-* step  = :class:`~ds_odc.comm.rendezvous.StepRendezvous` over the control blocks.
+  another dtype (bf16) is converted one stripe at a time: staging is at most one stripe. The
+  lock and unlock are system calls, so the adds are ordered before the pusher's next fence round;
+* step  = typed rounds over the control blocks (:mod:`ds_odc.comm.rendezvous`).
 """
 from __future__ import annotations
 
-import socket
-
 import torch
-import torch.distributed as tdist
 
-from ds_odc.comm.locks import StripeLocks
-from ds_odc.comm.rendezvous import StepRendezvous, control_numel
-from ds_odc.comm.shm_segment import create_segment, map_segment, segment_path, unlink_quietly
-from ds_odc.comm.transport import Transport, WindowSpec, agree_on_session
-from ds_odc.errors import ODCConfigError
-
-_KINDS = ("params", "grads", "ctrl", "lock")
+from ds_odc.comm.control import ControlPlane, State
+from ds_odc.comm.rendezvous import Rendezvous
+from ds_odc.comm.segments import map_segment
+from ds_odc.comm.session import NodeAllocation
+from ds_odc.comm.transport import Transport, WindowSpec
 
 
 class ShmTransport(Transport):
@@ -37,47 +33,42 @@ class ShmTransport(Transport):
         self._param_windows: list = []
         self._grad_windows: list = []
         self._locks: list = []
-        self._rendezvous: StepRendezvous | None = None
+        self._blocks: list = []
         self._closed = False
 
     # -- allocation (collective, once) ---------------------------------------------------------
     def allocate(self, spec: WindowSpec) -> None:
-        self._check_single_host()
-        session = agree_on_session(self.rank, self.group)
-        mine = {kind: segment_path(self.shm_dir, session, self.rank, kind) for kind in _KINDS}
-        sizes = {
-            "params": spec.param_numel * _itemsize(spec.param_dtype),
-            "grads": spec.grad_numel * _itemsize(spec.grad_dtype),
-            "ctrl": control_numel(spec.exchange_width) * 8,
-            "lock": 1,
-        }
+        windows = {"params": spec.param_numel * _itemsize(spec.param_dtype),
+                   "grads": spec.grad_numel * _itemsize(spec.grad_dtype)}
+        allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, windows,
+                                    self.group)
+        allocation.plan()
         try:
-            for kind, path in mine.items():
-                create_segment(path, sizes[kind])
-            tdist.barrier(group=self.group)
-            controls = []
-            for peer in range(self.world_size):
-                path = lambda kind: segment_path(self.shm_dir, session, peer, kind)  # noqa: E731
-                self._param_windows.append(map_segment(path("params"), spec.param_numel, spec.param_dtype))
-                self._grad_windows.append(map_segment(path("grads"), spec.grad_numel, spec.grad_dtype))
-                controls.append(map_segment(path("ctrl"), control_numel(spec.exchange_width), torch.float64))
-                self._locks.append(StripeLocks(path("lock"), peer, self.timeout_s))
-            tdist.barrier(group=self.group)
+            with allocation.guarded():
+                allocation.run(lambda: allocation.create_own_files(self.timeout_s))
+                allocation.agree("creating its shared-memory windows")
+                allocation.run(lambda: self._map_every_rank(allocation, spec))
+                allocation.agree("mapping its peers' windows")
+                allocation.unlink_own()
         except BaseException:
-            self.close()
+            allocation.abort()
+            self._param_windows.clear()
+            self._grad_windows.clear()
+            self._blocks.clear()
+            self._closed = True
             raise
-        finally:
-            for path in mine.values():
-                unlink_quietly(path)
-        self._rendezvous = StepRendezvous(self.rank, controls, spec.exchange_width, self.timeout_s)
+        self._blocks[self.rank].set_state(State.RUNNING)
+        self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
+                                  lambda r: f"rank {r} (pid {allocation.infos[r].pid})")
+        self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
 
-    def _check_single_host(self) -> None:
-        hosts = [None] * self.world_size
-        tdist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        if len(set(hosts)) != 1:
-            raise ODCConfigError(
-                f"odc.transport='shm' needs every rank on one host, got hosts {sorted(set(hosts))}; "
-                "multi-node training needs the hybrid transport (not available yet)")
+    def _map_every_rank(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
+        allocation.open_peer_locks(self.timeout_s)
+        self._locks = allocation.peer_locks
+        self._blocks = [allocation.map_control(r) for r in range(self.world_size)]
+        for peer in range(self.world_size):
+            self._param_windows.append(map_segment(allocation.path(peer, "params"), spec.param_numel, spec.param_dtype))
+            self._grad_windows.append(map_segment(allocation.path(peer, "grads"), spec.grad_numel, spec.grad_dtype))
 
     # -- one-sided access ------------------------------------------------------------------------
     def local_param_window(self) -> torch.Tensor:
@@ -105,25 +96,20 @@ class ShmTransport(Transport):
                 locks.release(stripe)
             done += count
 
-    def heartbeat(self) -> None:
-        self._rendezvous.heartbeat()
-
-    def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        self.exchanges += 1
-        return self._rendezvous.exchange(values, what)
-
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for lock in self._locks:
-            lock.close()
-        self._locks.clear()
+        self._close_plane()
         self._param_windows.clear()
         self._grad_windows.clear()
-        self._rendezvous = None
+        self._blocks.clear()
+        for lock in self._locks:
+            lock.close()  # releases this process's locks only: its life lock, on its own file
+        self._locks = []
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+

@@ -1,4 +1,4 @@
-"""The transport boundary: one-sided windows plus the one step rendezvous.
+"""The transport boundary: one-sided windows, plus the control plane every rank of a node shares.
 
 The runtime sees only this interface. A transport owns, for every rank of the data-parallel group,
 
@@ -6,18 +6,24 @@ The runtime sees only this interface. A transport owns, for every rank of the da
   (pull) without the owner taking part;
 * a **gradient accumulator** of ``grad_numel`` fp32 (or fp64) elements, which peers *add into* (push)
   without the owner taking part, correctly under concurrent pushes;
-* a **step rendezvous** (:meth:`Transport.exchange`), the single synchronisation point of an
-  optimizer step: every rank contributes a small float vector and receives everyone's.
+* a **control plane** (:mod:`ds_odc.comm.control`): typed rendezvous rounds
+  (:meth:`Transport.exchange`, the only synchronisation), each rank's liveness, progress and
+  activity, and the group's failure record (:meth:`Transport.mark_failed`), which every peer sees
+  at its next round.
 
 Allocation is separate from transfer (as in FSDP2's ``Comm``): :meth:`allocate` runs once per
-engine, at initialisation, and may use collectives; nothing after it may.
+engine, at initialisation, and may use collectives; nothing after it does.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from ds_odc.comm.control import Activity, ControlPlane, FailureRecord, State
+from ds_odc.comm.rendezvous import Rendezvous, RoundKind
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,15 @@ class Transport(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.exchanges = 0  # step rendezvous rounds so far; tests count them
+        self.exchanges = 0  # rendezvous rounds so far; tests count them
+        self.plane: Optional[ControlPlane] = None  # set by allocate()
+        self.rendezvous: Optional[Rendezvous] = None
 
+    # -- windows (per transport) ---------------------------------------------------------------------
     @abc.abstractmethod
     def allocate(self, spec: WindowSpec) -> None:
-        """Create this rank's windows and map every peer's. Collective; called once."""
+        """Create this rank's windows and map every peer's. Collective; called once. All or nothing:
+        if any rank fails, every rank raises (naming it) and nothing is left allocated."""
 
     @abc.abstractmethod
     def local_param_window(self) -> torch.Tensor:
@@ -65,27 +75,40 @@ class Transport(abc.ABC):
         Returns once the addition is complete and visible to the owner after the next fence."""
 
     @abc.abstractmethod
-    def exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
-        """The step rendezvous: contribute ``values`` (1-D, at most ``exchange_width``) and return a
-        ``[world_size, len(values)]`` float64 tensor of every rank's contribution, row r from rank r.
-        A dead peer, or one without a :meth:`heartbeat` for ``timeout_s``, raises
-        :class:`~ds_odc.errors.ODCPeerError` naming it and ``what`` the rendezvous was for."""
+    def close(self) -> None:
+        """Release windows, files and descriptors (this rank's life lock last). Idempotent."""
 
-    @abc.abstractmethod
+    # -- control plane (shared by every transport) -------------------------------------------------------
+    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
+        """Rendezvous round ``kind`` of ``step``: contribute ``values`` (1-D, at most ``exchange_width``)
+        and return the ``[world_size, len(values)]`` float64 rows, row r from rank r. A peer that
+        failed, died, closed, stalled for ``timeout_s`` or is at another round raises
+        :class:`~ds_odc.errors.ODCPeerError` naming it (see :mod:`ds_odc.comm.rendezvous`)."""
+        self.exchanges += 1
+        return self.rendezvous.exchange(kind, step, values.to("cpu", torch.float64), what)
+
     def heartbeat(self) -> None:
         """Tell peers waiting at a rendezvous that this rank is still making progress."""
+        self.plane.me.heartbeat()
 
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release windows, files and descriptors. Idempotent."""
+    def note_activity(self, activity: Activity, step: int, count: int = 0) -> None:
+        """Record what this rank is doing (peers' errors quote it)."""
+        self.plane.me.set_activity(activity, step, count)
 
+    def mark_failed(self, record: FailureRecord) -> None:
+        """Poison the group: every peer raises ``record`` at its next rendezvous."""
+        if self.plane is not None:
+            self.plane.mark_failed(record)
 
-def agree_on_session(rank: int, group=None) -> str:
-    """A name every rank of ``group`` shares for this engine's segments (rank 0 draws it)."""
-    import uuid
+    def recorded_failure(self) -> Optional[FailureRecord]:
+        """A failure any rank of the group has recorded, or None."""
+        return self.plane.first_failure() if self.plane is not None else None
 
-    import torch.distributed as tdist
-
-    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
-    tdist.broadcast_object_list(box, src=tdist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
+    def _close_plane(self) -> None:
+        """Say CLOSED (unless FAILED: the record stays readable) and drop the control plane."""
+        if self.plane is not None:
+            if self.plane.me.state() != State.FAILED:
+                self.plane.me.set_activity(Activity.CLOSED, 0)
+                self.plane.me.set_state(State.CLOSED)
+        self.plane = None
+        self.rendezvous = None

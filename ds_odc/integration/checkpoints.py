@@ -9,7 +9,10 @@ what changes is *when* ``latest`` is written and what a universal load restores.
   half-written shard, or leave ``latest`` empty. Here every rank first finishes and fsyncs its files,
   all ranks meet, and only then does rank 0 replace ``latest`` atomically (temp file, fsync,
   ``os.replace``, fsync of the directory). A crash at any point before that leaves ``latest``
-  naming the previous, complete checkpoint.
+  naming the previous, complete checkpoint. The save's barriers (DeepSpeed's own ``dist.barrier``
+  calls inside it, and ours) are ODC rounds: a rank that fails or dies while saving makes the
+  others raise at once, naming it, instead of waiting in a collective for the process group's
+  timeout.
 * ``load_checkpoint`` with ``"checkpoint": {"load_universal": true}``: DeepSpeed's universal path
   restores the trainable fp32 weights and the optimizer state at any world size, but for ZeRO-3 it
   skips the module state entirely, so frozen parameters and buffers would keep their fresh
@@ -20,6 +23,7 @@ what changes is *when* ``latest`` is written and what a universal load restores.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -87,24 +91,44 @@ def _read_tag(load_dir: str, latest_name: str) -> Optional[str]:
         return latest_file.read().strip()
 
 
+@contextlib.contextmanager
+def _barriers_as_rounds(runtime):
+    """Within the block, ``deepspeed.comm.barrier()`` over the whole world is an ODC round."""
+    original = dist.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        if group is None or dist.get_world_size(group=group) == dist.get_world_size():
+            return runtime.barrier("a barrier in DeepSpeed's save_checkpoint")
+        return original(group, *args, **kwargs)
+
+    dist.barrier = barrier
+    try:
+        yield
+    finally:
+        dist.barrier = original
+
+
 class ODCCheckpointHooks:
     """Mixin placed before ``DeepSpeedEngine`` in ``ODCEngine``'s bases. See the module docstring."""
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         client_state = {} if client_state is None else client_state
-        if self.checkpoint_engine.is_decoupled():  # such engines commit ``latest`` themselves, later
+        runtime = getattr(self.optimizer, "odc", None)
+        if self.checkpoint_engine.is_decoupled() or runtime is None:  # decoupled engines commit ``latest`` later
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        result = super().save_checkpoint(save_dir, tag, client_state=client_state, save_latest=False,
-                                         exclude_frozen_parameters=exclude_frozen_parameters)
-        # DeepSpeed's save ended with a barrier: every rank's files are closed. Make them durable,
-        # meet again, and only then point ``latest`` at them.
-        for path in (self._get_ckpt_name(save_dir, tag), self._get_zero_ckpt_name(save_dir, tag)):
-            _fsync_file(path)
-        dist.barrier()
-        if save_latest and self.global_rank == 0:
-            write_latest_atomically(save_dir, tag)
-        dist.barrier()
+        with runtime.protocol.saving():
+            with _barriers_as_rounds(runtime):
+                result = super().save_checkpoint(save_dir, tag, client_state=client_state, save_latest=False,
+                                                 exclude_frozen_parameters=exclude_frozen_parameters)
+            # DeepSpeed's save ended with a barrier: every rank's files are closed. Make them durable,
+            # meet again, and only then point ``latest`` at them.
+            for path in (self._get_ckpt_name(save_dir, tag), self._get_zero_ckpt_name(save_dir, tag)):
+                _fsync_file(path)
+            runtime.barrier("checkpoint files written (save_checkpoint)")
+            if save_latest and self.global_rank == 0:
+                write_latest_atomically(save_dir, tag)
+            runtime.barrier("latest written (save_checkpoint)")
         return result
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):

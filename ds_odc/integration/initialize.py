@@ -3,8 +3,10 @@
 Two patches, both idempotent and undone by :func:`unregister`:
 
 * ``deepspeed.initialize``: canonicalise an "odc" config (dict, JSON path, or
-  ``args.deepspeed_config``) in place and build an :class:`~ds_odc.engine.ODCEngine`, by letting
-  the original function run while its module-global ``DeepSpeedEngine`` names ours;
+  ``args.deepspeed_config``) in place, check that every rank built the same model (before
+  DeepSpeed's first collective, which would hang otherwise), and build an
+  :class:`~ds_odc.engine.ODCEngine`, by letting the original function run while its module-global
+  ``DeepSpeedEngine`` names ours;
 * ``deepspeed.runtime.config.get_zero_config``: a safety net so that any other reader of a raw
   "odc" dict (``deepspeed.zero.Init(config_dict_or_path=...)``) sees stage 3 instead of a
   validation error. It works on a copy, so the caller's dict keeps its "odc" identity.
@@ -21,6 +23,7 @@ import deepspeed.runtime.config as ds_runtime_config
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_odc.config import canonicalize, is_odc_config
+from ds_odc.runtime.same_model import check_same_parameters
 
 _originals: dict = {}
 
@@ -62,6 +65,26 @@ def _without_args_config(args, active: bool):
         args.deepspeed_config = saved
 
 
+def _same_model_everywhere(bound: inspect.BoundArguments) -> None:
+    """Before DeepSpeed's first collective (its parameter broadcast would hang on ranks with
+    different models): start the process group as ``deepspeed.initialize`` would, and compare
+    every rank's parameter list (names, full shapes, trainable), naming the first difference."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    arguments = bound.signature.parameters
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=bound.arguments.get("distributed_port",
+                                                               arguments["distributed_port"].default),
+                          dist_init_required=bound.arguments.get("dist_init_required"))
+    model = bound.arguments.get("model")
+    if model is None:
+        return
+    entries = [(name, tuple(getattr(p, "ds_shape", p.shape)), bool(p.requires_grad))
+               for name, p in model.named_parameters()]
+    check_same_parameters(entries)
+
+
 def _odc_initialize(original, *args, **kwargs):
     bound = inspect.signature(original).bind(*args, **kwargs)
     config, from_args = _resolve_config(bound)
@@ -69,6 +92,7 @@ def _odc_initialize(original, *args, **kwargs):
         return original(*args, **kwargs)
     from ds_odc.engine import ODCEngine
 
+    _same_model_everywhere(bound)
     bound.arguments["config"] = config
     bound.arguments.pop("config_params", None)
     with _without_args_config(bound.arguments.get("args"), from_args), _engine_class(ODCEngine):

@@ -7,7 +7,7 @@ class is patched, so other engines in the process are untouched).
   all-gather; ODC: the pulls), the optimizer's ``__reduce_and_partition_ipg_grads`` a *reduce*
   (ZeRO-3: reduce-scatter; ODC: pushes);
 * in the boundary ``engine.step()``: ``_overflow_check_and_loss_scale_update`` and
-  ``_get_norm_groups`` (all-reduces / the norm exchange) and ODC's fence and publish rendezvous
+  ``_get_norm_groups`` (ZeRO-3's all-reduces) and every ODC rendezvous round (fence, norm, publish)
   are *step_wait*; ``_post_step`` (ZeRO-3's persistent-parameter all-gather) and ODC's persistent
   pulls are *gather*; the rest is optimizer time.
 """
@@ -47,8 +47,7 @@ def attach_recorder(engine, log_interval: int = 0) -> StepRecorder:
             _wrap(optimizer, name, lambda call, kind=kind: _spanned(recorder, kind, call))
     runtime = getattr(optimizer, "odc", None)
     if runtime is not None:
-        for name in ("fence", "publish"):
-            _wrap(runtime, name, lambda call: _spanned(recorder, "step_wait", call))
+        _wrap(runtime.protocol, "round", lambda call: _spanned(recorder, "step_wait", call))
     engine.odc_metrics = recorder
     return recorder
 

@@ -27,6 +27,8 @@ def process_group_timeout_s(group=None) -> float:
         return float(default_pg_timeout.total_seconds())
 
 
-def resolve_timeout_s(configured, group=None) -> float:
-    """``zero_optimization.odc.timeout_s`` if set, else the process group's timeout."""
-    return float(configured) if configured is not None else process_group_timeout_s(group)
+def resolve_timeout_s(configured) -> float:
+    """``zero_optimization.odc.timeout_s`` if set, else the timeout of the world's process group: the
+    one ``deepspeed.init_distributed(timeout=...)`` sets (groups DeepSpeed derives from it, such as the
+    data-parallel group, get torch's own default, not the user's)."""
+    return float(configured) if configured is not None else process_group_timeout_s(None)

@@ -9,8 +9,11 @@ Replaced, each by one override below:
   memory peers read (publishing costs no copy); frozen shards follow it in the window;
 * ``__reduce_and_partition_ipg_grads`` (the only path to the reduce-scatter): push each gradient
   to its owners' fp32 accumulators; the accumulator *is* ``grad_partitions_flat_buffer``;
-* ``step``: fence, normalise, then ZeRO-3's step; then publish;
-* ``_get_norm_groups``: one exchange instead of an all-reduce per sub-group;
+* ``step``: the runtime's step protocol (fence, norm, update, publish) drives it; this adapter only
+  supplies the norm inputs (ZeRO-3's per-sub-group squared norms of the fenced, normalised shard)
+  and the update (ZeRO-3's own ``step``, which then reads the protocol's norms);
+* ``_get_norm_groups``: the norm round's result instead of an all-reduce per sub-group, so ZeRO-3's
+  step makes no collective and its overflow branch cannot change the number of rounds;
 * ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering;
 * ``reduce_ready_partitions_and_remove_grads`` (and a forward pre-hook on every module): a heartbeat
   for peers waiting at the step, so that only a peer without progress times out.
@@ -23,6 +26,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.config import ODCConfig
@@ -30,7 +34,37 @@ from ds_odc.errors import ODCConfigError
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
-from ds_odc.runtime import MicroBatchLedger, ODCRuntime, WindowLayout
+from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, StepUpdate, WindowLayout
+
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+class _Zero3Update(StepUpdate):
+    """ZeRO-3's half of an ODC step: its norm arithmetic and its optimizer update."""
+
+    def __init__(self, optimizer: "ODCStage3Optimizer"):
+        self.optimizer = optimizer
+        self.gradient_accumulation_steps = optimizer.gradient_accumulation_steps
+
+    def squared_norms(self) -> torch.Tensor:
+        """Point ``averaged_gradients`` at the fenced accumulator (a rank with no micro-batch never
+        ran ZeRO-3's epilogue) and sum squared norms per sub-group as ``get_grad_norm_direct`` does."""
+        optimizer = self.optimizer
+        views = getattr(optimizer, _GRAD_PARTITIONS)
+        squares = []
+        for sub_group_id, sub_group in enumerate(optimizer.fp16_groups):
+            grads = [views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group]
+            optimizer.averaged_gradients[sub_group_id] = grads
+            norms = [g.to(get_norm_dtype()).norm(2) for g in grads]
+            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros((), dtype=torch.float64))
+        return torch.stack(squares).to(torch.float64).cpu()
+
+    def apply(self, norms: GlobalNorms) -> None:
+        self.optimizer._odc_norms = norms
+        try:
+            DeepSpeedZeroOptimizer_Stage3.step(self.optimizer)
+        finally:
+            self.optimizer._odc_norms = None
 
 
 class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -39,6 +73,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.odc_options = odc_options
         self._odc_ledger = odc_ledger
         self.odc: ODCRuntime | None = None
+        self._odc_norms: GlobalNorms | None = None
+        self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward
         super().__init__(*args, **kwargs)
         self._adopt_accumulator_as_grad_buffer()
         install_pulls(self.odc, self._odc_all_params())
@@ -51,6 +87,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.odc.transport.heartbeat()
 
     def reduce_ready_partitions_and_remove_grads(self, param):
+        self.odc_gradients_seen += 1
         self.odc.transport.heartbeat()
         return super().reduce_ready_partitions_and_remove_grads(param)
 
@@ -86,7 +123,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
         transport = create_transport(self.odc_options.transport, rank=dist.get_rank(group=self.dp_process_group),
                                      world_size=world,
-                                     timeout_s=resolve_timeout_s(self.odc_options.timeout_s, self.dp_process_group),
+                                     timeout_s=resolve_timeout_s(self.odc_options.timeout_s),
                                      device=str(self.lp_param_buffer.device), shm_dir=self.odc_options.shm_dir,
                                      stripe_numel=self.odc_options.accumulator_stripe_numel)
         accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]
@@ -113,7 +150,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         """Let the fp32 accumulator window stand in for ZeRO-3's gradient partition buffer."""
         accumulator = self.odc.transport.local_grad_accumulator()
         self.grad_partitions_flat_buffer = accumulator
-        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        views = getattr(self, _GRAD_PARTITIONS)
         for key, slot in self.odc.layout.slots.items():
             if slot.grad_offset is not None:
                 views[key] = accumulator.narrow(0, slot.grad_offset, slot.shard_numel)
@@ -137,32 +174,17 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, closure=None):
-        totals = self.odc.fence()
-        self.odc.normalise(totals.gradient_divisor(self.odc.world_size, self.gradient_accumulation_steps))
-        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
-        for sub_group_id, sub_group in enumerate(self.fp16_groups):
-            self.averaged_gradients[sub_group_id] = [
-                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group
-            ]
-        try:
-            super().step(closure)
-        finally:
-            self.odc.publish()
+        """The boundary step: the runtime's step protocol, then the persistent-parameter refresh."""
+        self.odc.step(_Zero3Update(self))
         self._pull_released_persistent_params()
 
     def _get_norm_groups(self):
-        """Squared shard norms of every sub-group, summed over ranks in one exchange (ZeRO-3 does
-        one all-reduce per sub-group), computed the way ZeRO-3's ``get_grad_norm_direct`` does."""
-        squares = []
-        for sub_group_id in range(len(self.fp16_groups)):
-            norms = [g.float().norm(2) for g in self.averaged_gradients[sub_group_id]]
-            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros(()))
-        totals = self.odc.global_sum(squares, "the gradient-norm exchange").to(torch.float32)
-        norm_groups = []
-        for total in totals:
-            norm = total**0.5
-            norm_groups.append(torch.where(norm.isinf() | norm.isnan(), torch.tensor(-1.0), norm))
-        return norm_groups
+        """The norm round's per-sub-group norms (no collective), with ZeRO-3's -1 for inf/nan."""
+        if self._odc_norms is None:
+            raise RuntimeError("ZeRO-3 asked for gradient norms outside an ODC step")
+        norms = self._odc_norms.group_norms()
+        sentinel = torch.tensor(-1.0, dtype=torch.float)
+        return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device) for n in norms]
 
     def _post_step(self, timer_names):
         persistent, self.persistent_parameters = self.persistent_parameters, []
@@ -181,7 +203,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         """After a checkpoint load rewrote the shards: drop stale full copies, let every owner
         finish writing, then refresh persistent parameters. Called by ``ODCEngine.load_checkpoint``."""
         self._partition_all_parameters()
-        self.odc.publish()
+        self.odc.windows_rewritten("re-publishing shards after load_checkpoint")
         self._pull_released_persistent_params()
 
     def destroy(self):

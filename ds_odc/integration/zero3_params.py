@@ -51,7 +51,12 @@ def _pull_coalesced(runtime, params, safe_mode: bool = False, quantize: bool = F
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"cannot pull a parameter that is not released: {param.ds_summary()}")
         param.ds_status = ZeroParamStatus.INFLIGHT
-    _pull_params(runtime, params)
+    try:
+        _pull_params(runtime, params)
+    except BaseException:
+        for param in params:  # a pull only reads: leave the parameters as they were, so a retry can pull
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        raise
     return PullHandle(params)
 
 
@@ -78,7 +83,7 @@ def _make_publishing_partition(runtime, partition):
     def publishing_partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
         partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data)
         if has_been_updated:
-            runtime.sync_windows("publishing parameters modified under GatheredParameters")
+            runtime.windows_rewritten("publishing parameters modified under GatheredParameters")
 
     return publishing_partition
 

@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.rendezvous import RoundKind
 from ds_odc.comm import WindowSpec, create_transport
 
 
@@ -26,13 +27,13 @@ def reads_and_exchanges(name):
     rank, world = transport.rank, transport.world_size
     window = transport.local_param_window()
     window.copy_(torch.arange(window.numel(), dtype=torch.float32).to(torch.bfloat16) + rank)
-    rows = transport.exchange(torch.tensor([float(rank), 1.0]), "a test rendezvous")
+    rows = transport.exchange(RoundKind.TEST, 0, torch.tensor([float(rank), 1.0]), "a test rendezvous")
     seen = []
     for owner in range(world):
         out = torch.empty(16, dtype=torch.bfloat16)
         transport.read(owner, 100, out)
         seen.append(out.float().tolist())
-    rounds = [transport.exchange(torch.tensor([float(i)]), "round").sum().item() for i in range(5)]
+    rounds = [transport.exchange(RoundKind.TEST, 0, torch.tensor([float(i)]), "round").sum().item() for i in range(5)]
     transport.close()
     return {"rows": rows.tolist(), "seen": seen, "rounds": rounds}
 
@@ -48,7 +49,7 @@ def concurrent_accumulate(name, repeats=200):
         offset = int(torch.randint(0, numel - 3000, (1,), generator=gen))
         chunk = torch.randn(3000, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
         transport.accumulate(owner, offset, chunk)
-    transport.exchange(torch.zeros(1), "fence")
+    transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "fence")
     mine = transport.local_grad_accumulator().clone()
     transport.close()
     return mine
@@ -71,9 +72,9 @@ def lock_holder_dies(name):
     transport = _transport(name, timeout_s=5.0)
     if transport.rank == 1:
         transport._locks[0].acquire(0)
-        transport.exchange(torch.zeros(1), "lock taken")
+        transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "lock taken")
         os.kill(os.getpid(), signal.SIGKILL)
-    transport.exchange(torch.zeros(1), "lock taken")
+    transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "lock taken")
     time.sleep(0.5)
     start = time.monotonic()
     transport.accumulate(0, 0, torch.ones(10))

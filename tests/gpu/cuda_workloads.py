@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.rendezvous import RoundKind
 from ds_odc.comm import WindowSpec, create_transport
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
@@ -45,13 +46,13 @@ def reads_and_exchanges(name="auto"):
     rank, world = transport.rank, transport.world_size
     window = transport.local_param_window()
     window.copy_(torch.arange(window.numel(), dtype=torch.float32, device=window.device).to(torch.bfloat16) + rank)
-    rows = transport.exchange(torch.tensor([float(rank), 1.0]), "a test rendezvous")
+    rows = transport.exchange(RoundKind.TEST, 0, torch.tensor([float(rank), 1.0]), "a test rendezvous")
     seen = []
     for owner in range(world):
         out = torch.empty(16, dtype=torch.bfloat16, device=window.device)
         transport.read(owner, 100, out)
         seen.append(out.float().cpu().tolist())  # used on the caller's stream right after the pull
-    rounds = [transport.exchange(torch.tensor([float(i)]), "round").sum().item() for i in range(5)]
+    rounds = [transport.exchange(RoundKind.TEST, 0, torch.tensor([float(i)]), "round").sum().item() for i in range(5)]
     result = {"name": transport.name, "rows": rows.tolist(), "seen": seen, "rounds": rounds,
               "window_device": str(window.device)}
     transport.close()
@@ -70,7 +71,7 @@ def concurrent_accumulate(accumulator="fp32", repeats=200):
         offset = int(torch.randint(0, numel - 3000, (1,), generator=gen))
         chunk = torch.randn(3000, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
         transport.accumulate(owner, offset, chunk.to(transport.device))
-    transport.exchange(torch.zeros(1), "fence")
+    transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "fence")
     mine = transport.local_grad_accumulator().cpu().clone()
     transport.close()
     return mine
@@ -84,7 +85,7 @@ def large_misaligned_push(numel=3_000_001):
     ones = torch.ones(numel, device=transport.device)
     transport.accumulate(0, 1, ones * (rank + 1))
     transport.accumulate(0, 1, (ones * (rank + 1)).to(torch.bfloat16))
-    transport.exchange(torch.zeros(1), "fence")
+    transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "fence")
     accumulator = transport.local_grad_accumulator().cpu().clone()
     transport.close()
     return accumulator
@@ -93,14 +94,14 @@ def large_misaligned_push(numel=3_000_001):
 def pusher_killed(timeout_s=5.0):
     """Rank 1 pushes into rank 0, then is SIGKILLed; rank 0's fence must name it, quickly."""
     transport = _transport(timeout_s=timeout_s)
-    transport.exchange(torch.zeros(1), "start")
+    transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "start")
     if transport.rank == 1:
         transport.accumulate(0, 0, torch.ones(1000, device=transport.device))
         torch.cuda.synchronize()
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        transport.exchange(torch.zeros(1), "the step fence")
+        transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "the step fence")
         outcome = {"error": None}
     except Exception as err:  # noqa: BLE001 - the error is the result
         outcome = {"error": type(err).__name__, "message": str(err)}

@@ -8,9 +8,10 @@ import ds_odc.balance.packing
 import ds_odc.balance.partition
 import ds_odc.config
 import ds_odc.runtime.layout
+import ds_odc.runtime.same_model
 
 
-@pytest.mark.parametrize("module", [ds_odc.config, ds_odc.runtime.layout, ds_odc.balance, ds_odc.balance.cost,
+@pytest.mark.parametrize("module", [ds_odc.config, ds_odc.runtime.layout, ds_odc.runtime.same_model, ds_odc.balance, ds_odc.balance.cost,
                                     ds_odc.balance.packing, ds_odc.balance.partition])
 def test_docstring_examples(module):
     failures, tried = doctest.testmod(module)

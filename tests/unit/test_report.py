@@ -62,3 +62,10 @@ def test_report_lists_every_compiled_operator_with_its_state(report):
         assert op["name"] in text
         if not op["built"] and not op["buildable"]:
             assert op["reason"] and op["reason"] in text
+
+
+def test_report_says_how_control_words_are_ordered(report):
+    text, data = report
+    usable, description = data["control plane"]["memory ordering"]
+    assert usable and ("release/acquire" in description or "TSO" in description), description
+    assert "memory ordering" in text and description in text

@@ -1,0 +1,276 @@
+"""Control blocks: the small shared words through which ranks of one node see each other.
+
+Every rank owns one block (a few KiB of shared memory) that it alone writes and every peer reads::
+
+    header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag
+    failure  origin rank, step, round kind, message bytes     (the group's poison record)
+    slot 0   seq, step, kind, length, payload[width]           (rendezvous rounds of even seq)
+    slot 1   seq, step, kind, length, payload[width]           (odd seq)
+    blob     length, bytes                                    (e.g. CUDA IPC handles)
+
+Ordering: a writer fills payload, failure record or blob with plain stores, then publishes it with
+a *release* store of a control word (a slot's ``seq``, ``state``); a reader *acquire*-loads that
+word before reading what it guards (:mod:`ds_odc.comm.ordering`). Heartbeat and activity are
+informational (progress and error messages) and use plain accesses.
+
+:class:`ControlPlane` is one rank's view of the group: its own block, its peers' blocks, and a
+liveness test per peer (the life lock of :mod:`ds_odc.comm.locks` for real transports).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+MAGIC = 0x0DC0_0002  # layout version: a block of another layout is refused, not misread
+# header words
+W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED = range(8)
+HEADER_WORDS = 16
+MESSAGE_BYTES = 1024
+FAILURE_AT = HEADER_WORDS  # origin, step, kind, nbytes, message
+SLOTS_AT = FAILURE_AT + 4 + MESSAGE_BYTES // 8
+SLOT_HEADER = 4  # seq, step, kind, length
+BLOB_BYTES = 256
+
+
+class State(enum.IntEnum):
+    """A rank's lifecycle, published with release stores."""
+
+    FAILED = -1  # the rank failed (or learned of a failure): the failure record says which and why
+    CREATED = 1  # the block exists; the rank is creating its windows
+    READY = 2  # its windows exist (and are reserved)
+    RUNNING = 3  # every rank mapped every window: training
+    CLOSED = 4  # the rank released its transport (engine.destroy())
+
+
+class Activity(enum.IntEnum):
+    """What a rank is doing, for the errors its peers raise (never used for decisions)."""
+
+    STARTING = 0
+    IDLE = 1
+    MICRO_BATCHES = 2
+    IN_ROUND = 3
+    UPDATING = 4
+    SAVING = 5
+    CLOSED = 6
+
+
+_ACTIVITY_TEXT = {
+    Activity.STARTING: "starting up",
+    Activity.IDLE: "idle before step {step} (no micro-batch of it yet)",
+    Activity.MICRO_BATCHES: "running forward/backward of step {step} ({count} micro-batches done)",
+    Activity.IN_ROUND: "waiting at a rendezvous round of step {step}",
+    Activity.UPDATING: "running the optimizer update of step {step}",
+    Activity.SAVING: "saving a checkpoint (before step {step})",
+    Activity.CLOSED: "closed (engine.destroy())",
+}
+
+
+def block_words(width: int) -> int:
+    """Size in 64-bit words of a control block whose rounds carry up to ``width`` values."""
+    return SLOTS_AT + 2 * (SLOT_HEADER + width) + 1 + BLOB_BYTES // 8
+
+
+class FailureKind(enum.IntEnum):
+    """How the origin failed: it raised, or a peer saw it stall, exit or close."""
+
+    RAISED = 0
+    STALLED = 1
+    EXITED = 2
+    CLOSED = 3
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why the group cannot continue: who failed first, where, and the error.
+
+    RAISED: ``where`` is the phase ("the step fence", "a gradient push"), ``error`` "Type: message".
+    STALLED / EXITED / CLOSED: ``where`` is what the rank was last doing, ``error`` what was seen of it
+    ("made no progress for 600s", "exited ..."), as a peer recorded it."""
+
+    origin: int
+    step: int
+    where: str
+    error: str
+    kind: FailureKind = FailureKind.RAISED
+
+    def describe(self) -> str:
+        if self.kind is FailureKind.RAISED:
+            return f"rank {self.origin} failed at {self.where} (step {self.step}): {self.error}"
+        return f"rank {self.origin} {self.error} while {self.where}"
+
+    def encode(self) -> bytes:
+        return f"{self.where}\n{self.error}".encode("utf-8", "replace")[:MESSAGE_BYTES]
+
+    @classmethod
+    def decode(cls, origin: int, step: int, kind: int, raw: bytes) -> "FailureRecord":
+        where, _, error = raw.decode("utf-8", "replace").partition("\n")
+        return cls(origin, step, where, error, FailureKind(kind))
+
+
+class ControlBlock:
+    """One rank's block (a mapped int64 tensor); ``ordering`` provides release/acquire accesses."""
+
+    def __init__(self, words: torch.Tensor, width: int, ordering):
+        if words.dtype != torch.int64 or words.numel() < block_words(width):
+            raise ValueError(f"a control block needs {block_words(width)} int64 words")
+        self.words = words
+        self.floats = words.view(torch.float64)
+        self.bytes = words.view(torch.uint8)
+        self._plain = words.numpy()  # plain accesses on the hot path (a heartbeat per module) cost ~0.1 us
+        self.width = width
+        self.ordering = ordering
+
+    # -- state and failure ---------------------------------------------------------------------------
+    def init(self, pid: int) -> None:
+        self.words.zero_()
+        self.words[W_MAGIC] = MAGIC
+        self.words[W_PID] = pid
+        self.ordering.store_release(self.words, W_STATE, State.CREATED)
+
+    def magic_ok(self) -> bool:
+        return int(self.words[W_MAGIC]) == MAGIC
+
+    def state(self) -> int:
+        return self.ordering.load_acquire(self.words, W_STATE)
+
+    def set_state(self, state: State) -> None:
+        self.ordering.store_release(self.words, W_STATE, int(state))
+
+    def write_failure(self, record: FailureRecord) -> None:
+        """Record ``record`` and publish State.FAILED (the record is visible before the state)."""
+        raw = record.encode()
+        base = FAILURE_AT
+        self.words[base:base + 4] = torch.tensor([record.origin, record.step, int(record.kind), len(raw)],
+                                                 dtype=torch.int64)
+        start = (base + 4) * 8
+        self.bytes[start:start + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self.set_state(State.FAILED)
+
+    def read_failure(self) -> FailureRecord:
+        """The record of a block whose state was acquire-loaded as FAILED."""
+        origin, step, kind, nbytes = (int(v) for v in self.words[FAILURE_AT:FAILURE_AT + 4].tolist())
+        start = (FAILURE_AT + 4) * 8
+        return FailureRecord.decode(origin, step, kind, bytes(self.bytes[start:start + nbytes].tolist()))
+
+    # -- progress and activity (plain accesses) --------------------------------------------------------
+    def heartbeat(self) -> None:
+        self._plain[W_HEARTBEAT] += 1
+
+    def set_activity(self, activity: Activity, step: int, count: int = 0) -> None:
+        plain = self._plain
+        plain[W_ACTIVITY_STEP] = step
+        plain[W_ACTIVITY_COUNT] = count
+        plain[W_ACTIVITY] = int(activity)
+
+    def progress_mark(self) -> tuple:
+        """Changes whenever the rank makes progress (beats, changes activity, enters a round)."""
+        return tuple(self._plain[W_HEARTBEAT:W_ACTIVITY_COUNT + 1].tolist()) + (self.latest_seq(),)
+
+    def activity_text(self) -> str:
+        activity, step, count = self._plain[W_ACTIVITY:W_ACTIVITY_COUNT + 1].tolist()
+        try:
+            template = _ACTIVITY_TEXT[Activity(activity)]
+        except ValueError:
+            return f"in an unknown activity {activity}"
+        return template.format(step=step, count=count)
+
+    def pid(self) -> int:
+        return int(self.words[W_PID])
+
+    # -- rendezvous slots ----------------------------------------------------------------------------
+    def _slot(self, parity: int) -> int:
+        return SLOTS_AT + parity * (SLOT_HEADER + self.width)
+
+    def write_round(self, seq: int, step: int, kind: int, values: torch.Tensor) -> None:
+        """Payload and header with plain stores, then ``seq`` with a release store."""
+        base = self._slot(seq % 2)
+        n = values.numel()
+        self.floats[base + SLOT_HEADER:base + SLOT_HEADER + n] = values.to(torch.float64)
+        self.words[base + 1:base + SLOT_HEADER] = torch.tensor([step, kind, n], dtype=torch.int64)
+        self.ordering.store_release(self.words, base, seq)
+
+    def round_seq(self, parity: int) -> int:
+        return self.ordering.load_acquire(self.words, self._slot(parity))
+
+    def round_header(self, parity: int) -> tuple:
+        """``(step, kind, length)`` of the slot (read after :meth:`round_seq` acquired it)."""
+        base = self._slot(parity)
+        return tuple(int(v) for v in self.words[base + 1:base + SLOT_HEADER].tolist())
+
+    def round_payload(self, parity: int, n: int) -> torch.Tensor:
+        base = self._slot(parity) + SLOT_HEADER
+        return self.floats[base:base + n].clone()
+
+    def latest_seq(self) -> int:
+        return int(max(self._plain[self._slot(0)], self._plain[self._slot(1)]))
+
+    # -- blob ----------------------------------------------------------------------------------------
+    def _blob(self) -> int:
+        return self._slot(2)
+
+    def write_blob(self, data: bytes) -> None:
+        if len(data) > BLOB_BYTES:
+            raise ValueError(f"blob of {len(data)} bytes exceeds {BLOB_BYTES}")
+        start = (self._blob() + 1) * 8
+        self.bytes[start:start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.ordering.store_release(self.words, self._blob(), len(data) + 1)  # 0 means "not written yet"
+
+    def read_blob(self) -> Optional[bytes]:
+        written = self.ordering.load_acquire(self.words, self._blob())
+        if written == 0:
+            return None
+        start = (self._blob() + 1) * 8
+        return bytes(self.bytes[start:start + written - 1].tolist())
+
+
+class ControlPlane:
+    """One rank's view of the group's control blocks.
+
+    ``alive(r)`` says whether peer ``r``'s process still exists (transports pass the life-lock test;
+    in-process tests pass their own). ``describe(r)`` names a peer in errors (rank, host, pid).
+    """
+
+    def __init__(self, rank: int, blocks: List[ControlBlock], alive: Callable[[int], bool],
+                 describe: Optional[Callable[[int], str]] = None):
+        self.rank = rank
+        self.world_size = len(blocks)
+        self.blocks = blocks
+        self.me = blocks[rank]
+        self._alive = alive
+        self._describe = describe or (lambda r: f"rank {r}")
+
+    def peers(self) -> List[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def alive(self, peer: int) -> bool:
+        return self._alive(peer)
+
+    def describe(self, peer: int) -> str:
+        return self._describe(peer)
+
+    def failure_of(self, peer: int) -> Optional[FailureRecord]:
+        block = self.blocks[peer]
+        return block.read_failure() if block.state() == State.FAILED else None
+
+    def first_failure(self) -> Optional[FailureRecord]:
+        """A failure recorded by any rank (this one included): preferably one a rank recorded about
+        itself, rather than one it relayed from another rank."""
+        relayed = None
+        for rank in range(self.world_size):
+            record = self.failure_of(rank)
+            if record is not None and record.origin == rank:
+                return record
+            relayed = relayed or record
+        return relayed
+
+    def mark_failed(self, record: FailureRecord) -> None:
+        """Poison the group: peers see ``record`` at their next rendezvous (first record wins)."""
+        if self.me.state() != State.FAILED:
+            self.me.write_failure(record)
+
+    def failed(self) -> Optional[FailureRecord]:
+        """This rank's own failure record, if it has one."""
+        return self.failure_of(self.rank)

@@ -1,0 +1,276 @@
+"""The step protocol: the one owner of everything ranks do together.
+
+ODC ranks meet only here. One :class:`StepProtocol` per engine drives the whole optimizer step
+through typed rendezvous rounds, with an explicit, guarded state machine::
+
+    IDLE --pull--> IDLE            ACCUMULATING --pull/push--> ACCUMULATING
+    IDLE --push--> ACCUMULATING
+    IDLE | ACCUMULATING --begin_step--> FENCING --fenced--> NORMING --normed--> UPDATING
+        --updated--> PUBLISHING --published--> IDLE
+    IDLE | ACCUMULATING --meet--> (unchanged)        a round outside a step (windows rewritten, barrier)
+    any --fail--> FAILED (final)   any --close--> CLOSED (final)
+
+Rounds of step ``s`` (each carries ``s``, its kind and its length, checked on every rank):
+
+1. **fence**: every rank's pushes have landed; global micro-batch and token counts. Each owner
+   then divides its accumulator by the normalisation divisor (:mod:`ds_odc.runtime.ledger`);
+2. **norm**: every owner's squared gradient norms, per norm group: one global norm for clipping,
+   and whether any gradient is not finite. It runs on every step, whatever the update does with it;
+3. the **update** (the engine adapter's :class:`StepUpdate`: e.g. ZeRO-3's optimizer step) writes
+   the owner's new shards into its window;
+4. **publish**: every owner has written its shards and cleared its accumulator; pulls may resume.
+
+All or nothing: any exception or signal on this rank inside the step, a push, or a round outside
+a step records a failure in the group's control plane (:meth:`Transport.mark_failed`) and moves to
+FAILED; peers raise :class:`~ds_odc.errors.ODCPeerError` naming the origin, its error and the round
+at their next rendezvous, within milliseconds; a dead or stalled peer is found by the rendezvous
+itself. In FAILED every pull, push, step and round raises :class:`~ds_odc.errors.ODCGroupFailedError`:
+an engine never continues after a failure (its accumulators and windows may hold partial sums).
+Pulls are read-only, so a failed pull (and a failed forward) is safe to retry.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ds_odc.comm.control import Activity, FailureRecord
+from ds_odc.comm.rendezvous import RoundKind
+from ds_odc.comm.transport import Transport
+from ds_odc.errors import ODCGroupFailedError, ODCStateError
+from ds_odc.runtime import crash
+from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    FENCING = "fencing"
+    NORMING = "norming"
+    UPDATING = "updating"
+    PUBLISHING = "publishing"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class Event(enum.Enum):
+    PULL = "a parameter pull"
+    PUSH = "a gradient push"
+    BEGIN_STEP = "an optimizer step"
+    FENCED = "the end of the step fence"
+    NORMED = "the end of the gradient-norm exchange"
+    UPDATED = "the end of the optimizer update"
+    PUBLISHED = "the end of publishing"
+    MEET = "a rendezvous round outside a step"
+    FAIL = "a failure"
+    CLOSE = "closing"
+
+
+_BETWEEN_STEPS = (Phase.IDLE, Phase.ACCUMULATING)
+TRANSITIONS = {
+    (Phase.IDLE, Event.PULL): Phase.IDLE,
+    (Phase.ACCUMULATING, Event.PULL): Phase.ACCUMULATING,
+    (Phase.IDLE, Event.PUSH): Phase.ACCUMULATING,
+    (Phase.ACCUMULATING, Event.PUSH): Phase.ACCUMULATING,
+    (Phase.IDLE, Event.BEGIN_STEP): Phase.FENCING,
+    (Phase.ACCUMULATING, Event.BEGIN_STEP): Phase.FENCING,
+    (Phase.FENCING, Event.FENCED): Phase.NORMING,
+    (Phase.NORMING, Event.NORMED): Phase.UPDATING,
+    (Phase.UPDATING, Event.UPDATED): Phase.PUBLISHING,
+    (Phase.PUBLISHING, Event.PUBLISHED): Phase.IDLE,
+    (Phase.IDLE, Event.MEET): Phase.IDLE,
+    (Phase.ACCUMULATING, Event.MEET): Phase.ACCUMULATING,
+    **{(phase, Event.FAIL): Phase.FAILED for phase in Phase if phase is not Phase.CLOSED},
+    **{(phase, Event.CLOSE): Phase.CLOSED for phase in Phase},
+}
+
+#: Where a failure in each phase happened, for the failure record.
+_WHERE = {Phase.FENCING: RoundKind.FENCE.text, Phase.NORMING: RoundKind.NORM.text,
+          Phase.UPDATING: "the optimizer update", Phase.PUBLISHING: RoundKind.PUBLISH.text}
+
+_HINTS = {
+    Event.PULL: "the owners are rewriting their shards; forward only between optimizer steps",
+    Event.PUSH: "gradients of this step were already fenced; call backward before engine.step()",
+    Event.BEGIN_STEP: "a step is already in progress on this rank",
+    Event.MEET: "rounds outside a step cannot run inside one",
+}
+
+
+class StepStateMachine:
+    """The phase of this rank's step protocol; every change goes through :data:`TRANSITIONS`."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+
+    def advance(self, event: Event) -> Phase:
+        following = TRANSITIONS.get((self.phase, event))
+        if following is None:
+            hint = _HINTS.get(event, "the step protocol's rounds must run in order")
+            raise ODCStateError(f"{event.value} is not allowed in phase {self.phase.value.upper()}: {hint}")
+        self.phase = following
+        return following
+
+
+@dataclass(frozen=True)
+class GlobalNorms:
+    """The norm round's result: per norm group, the squared L2 norm of the whole normalised gradient."""
+
+    squared: torch.Tensor  # float64, one entry per norm group
+
+    @property
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.squared).all())
+
+    def group_norms(self) -> torch.Tensor:
+        return self.squared.sqrt()
+
+    def total(self) -> float:
+        return float(self.squared.sum().sqrt())
+
+
+class StepUpdate(abc.ABC):
+    """What an engine adapter supplies to a step: the norm inputs and the update itself."""
+
+    gradient_accumulation_steps: int = 1
+
+    @abc.abstractmethod
+    def squared_norms(self) -> torch.Tensor:
+        """Per norm group, the squared L2 norm of this owner's *normalised* gradient shard (1-D;
+        inf/nan allowed: the global result then says not finite)."""
+
+    @abc.abstractmethod
+    def apply(self, norms: GlobalNorms) -> None:
+        """Write this owner's updated shards into its window (or skip the update: every rank gets
+        the same ``norms``, so every rank decides the same)."""
+
+
+class StepProtocol:
+    """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
+
+    def __init__(self, transport: Transport, ledger: MicroBatchLedger):
+        self.transport = transport
+        self.ledger = ledger
+        self.machine = StepStateMachine()
+        self.step_number = 1  # the step in progress (or the next one); rounds carry it
+        self.last_totals: Optional[StepTotals] = None
+        self.failure: Optional[FailureRecord] = None
+        self._activity: Optional[Activity] = None
+        crash.watch(self)
+
+    @property
+    def phase(self) -> Phase:
+        return self.machine.phase
+
+    # -- between steps ---------------------------------------------------------------------------------
+    def before_pull(self) -> None:
+        self._usable()
+        self.machine.advance(Event.PULL)
+        self._note(Activity.MICRO_BATCHES)
+
+    def before_push(self) -> None:
+        self._usable()
+        self.machine.advance(Event.PUSH)
+        self._note(Activity.MICRO_BATCHES)
+
+    def record_micro_batch(self, rule, tokens: int = 0) -> None:
+        self._usable()
+        self.ledger.record(rule, tokens)
+        self._note(Activity.MICRO_BATCHES, force=True)
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def step(self, update: StepUpdate) -> StepTotals:
+        """One optimizer step of this rank; returns the fence's global counts."""
+        self._usable()
+        self.machine.advance(Event.BEGIN_STEP)
+        with self.failing_group():
+            rows = self.round(RoundKind.FENCE, self.ledger.fence_vector())
+            totals = MicroBatchLedger.totals(rows)
+            divisor = totals.gradient_divisor(self.transport.world_size, update.gradient_accumulation_steps)
+            self.ledger.reset()
+            self.last_totals = totals
+            self.machine.advance(Event.FENCED)
+            accumulator = self.transport.local_grad_accumulator()
+            if divisor != 1.0:
+                accumulator.div_(divisor)
+            rows = self.round(RoundKind.NORM, update.squared_norms().to(torch.float64))
+            self.machine.advance(Event.NORMED)
+            self._note(Activity.UPDATING, force=True)
+            update.apply(GlobalNorms(rows.sum(0)))
+            self.machine.advance(Event.UPDATED)
+            accumulator.zero_()
+            self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
+            self.machine.advance(Event.PUBLISHED)
+        self.step_number += 1
+        self._note(Activity.IDLE, force=True)
+        return totals
+
+    def meet(self, kind: RoundKind, what: str = "") -> None:
+        """A round outside a step (every rank calls it at the same point): windows rewritten by
+        their owners (a checkpoint load, GatheredParameters), or a barrier (checkpoint save)."""
+        self._usable()
+        self.machine.advance(Event.MEET)
+        previous = self._activity or Activity.IDLE
+        with self.failing_group(what or kind.text):
+            self.round(kind, torch.zeros(0, dtype=torch.float64), what)
+        self._note(previous, force=True)
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a checkpoint save: peers' errors say this rank is saving, and a failure in it
+        poisons the group (the others wait in the save's barriers, which are rounds)."""
+        self._usable()
+        previous = self._activity or Activity.IDLE
+        self._note(Activity.SAVING, force=True)
+        with self.failing_group("saving a checkpoint"):
+            yield
+        self._note(previous, force=True)
+
+    def round(self, kind: RoundKind, values: torch.Tensor, what: str = "") -> torch.Tensor:
+        """One rendezvous round of the current step (every round of this engine goes through here)."""
+        self._note(Activity.IN_ROUND, force=True)
+        return self.transport.exchange(kind, self.step_number, values, what)
+
+    # -- failure ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def failing_group(self, where: Optional[str] = None):
+        """Any exception (or signal-raised exception) inside poisons the group, then propagates."""
+        try:
+            yield
+        except BaseException as err:
+            self.fail(err, where or _WHERE.get(self.phase, self.phase.value))
+            raise
+
+    def fail(self, err: BaseException, where: str) -> None:
+        """Record the failure for every peer (the first one wins) and refuse everything after it."""
+        if self.phase in (Phase.FAILED, Phase.CLOSED):
+            return
+        record = getattr(err, "record", None) or \
+            FailureRecord(self.transport.rank, self.step_number, where, f"{type(err).__name__}: {err}")
+        self.failure = record
+        self.transport.mark_failed(record)
+        self.machine.advance(Event.FAIL)
+        if hasattr(err, "add_note"):
+            err.add_note(f"ds_odc: rank {self.transport.rank} marked the ODC group failed (its peers raise at their "
+                         "next rendezvous); this engine cannot continue: call engine.destroy()")
+
+    def _usable(self) -> None:
+        if self.phase is Phase.FAILED:
+            raise ODCGroupFailedError(
+                f"the ODC group failed earlier: {self.failure.describe()}. This engine refuses to pull, push or step "
+                "(results after a failure would be wrong): call engine.destroy(), restart the job and resume from the "
+                "last checkpoint", self.failure)
+        if self.phase is Phase.CLOSED:
+            raise ODCStateError("this ODC engine was destroyed (engine.destroy()); build a new one")
+
+    def _note(self, activity: Activity, force: bool = False) -> None:
+        if force or activity is not self._activity:
+            self._activity = activity
+            self.transport.note_activity(activity, self.step_number, self.ledger.micro_batches)
+
+    def close(self) -> None:
+        if self.phase is not Phase.CLOSED:
+            self.machine.advance(Event.CLOSE)
