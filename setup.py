@@ -66,5 +66,6 @@ setup(
         "pydantic>=2.0",
         "ninja",
     ],
-    extras_require={"test": ["pytest>=8", *BENCH, *HF_PINS], "examples": ["tqdm"], "hf": HF_PINS, "bench": BENCH},
+    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", *BENCH, *HF_PINS], "examples": ["tqdm"],
+                    "hf": HF_PINS, "bench": BENCH},
 )

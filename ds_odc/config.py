@@ -104,8 +104,13 @@ def _check_compatibility(ds_config: dict) -> None:
             raise ODCConfigError(f"zero_optimization.{key}={zero[key]!r}: {why}; remove it or use stage 3")
     fp16 = ds_config.get("fp16", {})
     if isinstance(fp16, dict) and fp16.get("enabled") not in (False, None, "auto"):
-        raise ODCConfigError("fp16.enabled=true: the odc stage supports fp32 and bf16 only; use bf16")
-    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
+        raise ODCConfigError(f"fp16.enabled={fp16.get('enabled')!r}: the odc stage supports fp32 and bf16 only; "
+                             "use bf16")
+    tensor_parallel = ds_config.get("tensor_parallel") or {}
+    if not isinstance(tensor_parallel, dict):
+        raise ODCConfigError(f"tensor_parallel={tensor_parallel!r}: must be a dict of tensor-parallel options "
+                             '(e.g. {"autotp_size": 1})')
+    autotp = tensor_parallel.get("autotp_size", 0)
     if isinstance(autotp, int) and autotp > 1:
         raise ODCConfigError(f"tensor_parallel.autotp_size={autotp}: tensor parallelism is not supported with the "
                              "odc stage yet (every rank must be a data-parallel rank)")
