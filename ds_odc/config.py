@@ -36,12 +36,13 @@ class ODCConfig(BaseModel):
     its CUDA operator is JIT-built with ninja on first use. A transport that does not serve the
     model's device fails at initialize. Default "auto"."""
 
-    timeout_s: Optional[Annotated[float, Field(gt=0, le=86400)]] = None
+    timeout_s: Optional[Annotated[float, Field(ge=0.1, le=86400)]] = None
     """How long a rank waits on a peer that makes no progress (no forward, pull or push; or a stripe
     lock held) before raising an error that names the peer and what it was last doing. A peer still
     computing is waited for; a dead or failed one is reported at once. Default null: the process
     group's own timeout, the bound DeepSpeed uses for a silent peer (``deepspeed.init_distributed(timeout=...)``,
-    10 minutes unless ``DEEPSPEED_TIMEOUT`` says otherwise). Must be in (0, 86400]."""
+    10 minutes unless ``DEEPSPEED_TIMEOUT`` says otherwise). Must be in [0.1, 86400]: liveness is checked
+    every 50 ms, so a shorter bound would mistake a healthy peer for a stuck one."""
 
     shm_dir: str = "/dev/shm"
     """tmpfs directory for the shm transport's segments (unlinked right after start-up).

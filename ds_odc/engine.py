@@ -45,7 +45,15 @@ class ODCEngine(ODCEngineHooks, ODCCheckpointHooks, DeepSpeedEngine):
     """The :class:`~ds_odc.metrics.StepRecorder` of this rank (None with ``odc.metrics: false``)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            # DeepSpeed configures the scheduler, checkpointing, ... after the ZeRO optimizer: a failure
+            # there must not leave this process holding the windows it allocated (nor peers' mappings)
+            optimizer = getattr(self, "optimizer", None)
+            if getattr(optimizer, "odc", None) is not None:
+                optimizer.destroy()
+            raise
         options = getattr(self, "odc_options", None)
         if options is not None and options.metrics and hasattr(self.optimizer, "odc"):
             from ds_odc.integration.metrics_hooks import attach_recorder

@@ -47,7 +47,10 @@ class ODCEngineHooks:
         return built
 
     def _backward_prologue_per_tensor(self, grad):
-        if grad is not None and self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).skips_gas_division:
+        # Inside engine.backward, which decided the rule (and consumed the pending token count) and
+        # scaled the loss itself, DeepSpeed's prologue leaves the gradient alone.
+        if grad is not None and not self._running_engine_backward and \
+                self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).skips_gas_division:
             return grad
         return super()._backward_prologue_per_tensor(grad)
 

@@ -75,8 +75,12 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.odc: ODCRuntime | None = None
         self._odc_norms: GlobalNorms | None = None
         self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward
-        super().__init__(*args, **kwargs)
-        self._adopt_accumulator_as_grad_buffer()
+        try:
+            super().__init__(*args, **kwargs)
+            self._adopt_accumulator_as_grad_buffer()
+        except BaseException:
+            self._release_odc()  # the windows may exist: this optimizer will never be used
+            raise
         install_pulls(self.odc, self._odc_all_params())
         skip_trace_checks(self.parameter_offload.get_param_coordinator())
         self._odc_heartbeat_hooks = [m.register_forward_pre_hook(self._odc_heartbeat) for m in self.module.modules()]
@@ -93,7 +97,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # -- construction ------------------------------------------------------------------------------
     def _odc_all_params(self):
-        return [p for p in self.module.parameters() if hasattr(p, "ds_id")]
+        module = getattr(self, "module", None)  # absent if ZeRO-3's __init__ failed early
+        return [] if module is None else [p for p in module.parameters() if hasattr(p, "ds_id")]
 
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
@@ -207,13 +212,28 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._pull_released_persistent_params()
 
     def destroy(self):
-        """Release windows and hooks; the model's parameters go back to ZeRO-3's collective gathers
-        (their shards stay valid: they are views that keep the unlinked mapping alive)."""
+        """Release windows and hooks; the model's parameters go back to ZeRO-3's collective gathers,
+        their shards copied out of the windows into private memory. DeepSpeed keeps a destroyed
+        engine's module reachable (its forward hooks hold the optimizer), so whatever still viewed a
+        window would keep its shared pages, counted against shm_dir, for the life of the process."""
         for hook in getattr(self, "_odc_heartbeat_hooks", ()):
             hook.remove()
         try:
             super().destroy()
         finally:
-            uninstall_pulls(self._odc_all_params())
-            if self.odc is not None:
-                self.odc.close()
+            self._release_odc()
+
+    def _release_odc(self) -> None:
+        """Parameters back to ZeRO-3's gathers and private shards; windows and transport released."""
+        uninstall_pulls(self._odc_all_params())
+        if self.odc is None:
+            return
+        for param in self._odc_all_params():
+            if param.ds_tensor is not None:
+                param.ds_tensor.data = param.ds_tensor.data.clone()
+        self.lp_param_buffer = None
+        self.fp16_partitioned_groups_flat = []
+        self.grad_partitions_flat_buffer = None
+        getattr(self, _GRAD_PARTITIONS, {}).clear()
+        self.averaged_gradients = {}
+        self.odc.close()

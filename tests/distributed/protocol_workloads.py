@@ -231,3 +231,42 @@ def soak_reference(steps: int, world: int, lr: float = 1e-3, clip: float = 1.0) 
         clip_like_deepspeed(model, clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _shared_memory_in_use() -> dict:
+    """This process's mappings and open files of ds_odc segments (unlinked ones included)."""
+    import os
+    import re
+
+    segment = re.compile(r"ds_odc_[0-9a-f]+_r\d+_[a-z]+")
+    maps = sorted({m.group(0) for line in open("/proc/self/maps") if (m := segment.search(line))})
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if segment.search(target):
+            fds.append(target)
+    return {"mapped": maps, "files": sorted(fds)}
+
+
+def destroyed_engine_releases_shared_memory():
+    """Train a step, destroy the engine: nothing of ds_odc stays mapped or open, the model stays usable."""
+    import gc
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc"))
+    x, y, _ = micro_batch(0, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    before = full_params(engine)["out.weight"]
+    during = _shared_memory_in_use()
+    module = engine.module
+    engine.destroy()
+    del engine
+    gc.collect()
+    after = _shared_memory_in_use()
+    with deepspeed.zero.GatheredParameters([module.out.weight]):  # ZeRO-3's own gather, from private shards
+        weight = module.out.weight.detach().float().clone()
+    return {"during": during, "after": after, "same_weights": bool(torch.equal(weight, before))}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.protocol_workloads import (initialize_with, liveness_script, mixed_normalisation_rules,
+from tests.distributed.protocol_workloads import (destroyed_engine_releases_shared_memory, initialize_with,
+                                                   liveness_script, mixed_normalisation_rules,
                                                    slow_rank_and_a_retried_step, soak, soak_reference,
                                                    uncaught_exception_script, versioned_publish_stress)
 
@@ -136,3 +137,12 @@ def test_soak_random_uneven_counts_equal_the_reference_with_flat_memory():
     for result in results:
         growth = result["rss"][steps] - result["rss"][1500]
         assert growth < 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over 500 warm steps"
+
+
+def test_a_destroyed_engine_releases_its_shared_memory():
+    """DeepSpeed keeps a destroyed engine reachable from the module's hooks; its windows must not stay
+    mapped (their pages count against /dev/shm for the life of the process)."""
+    for result in run_ranks(destroyed_engine_releases_shared_memory, 2, timeout=120):
+        assert result["during"]["mapped"], result  # the check can see the windows
+        assert result["after"] == {"mapped": [], "files": []}, result
+        assert result["same_weights"]
