@@ -153,6 +153,7 @@ def _age_s(path: str) -> float:
 class CleanupOnSignal:
     """While active, SIGTERM, SIGINT and SIGHUP first unlink the files this rank created, then do
     what they would have done (the previous handler runs, or the default action kills the process).
+    A signal the process ignores (``nohup``, a background job's SIGINT) stays ignored, files kept.
 
     Python runs signal handlers in the main thread between bytecodes, so the cleanup runs as soon
     as the allocating code returns to Python (the allocation waits in Python, never for long in C).
@@ -172,7 +173,7 @@ class CleanupOnSignal:
     def __enter__(self) -> "CleanupOnSignal":
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
-                if signal.getsignal(signum) is None:  # a handler installed from C: leave it alone
+                if signal.getsignal(signum) in (None, signal.SIG_IGN):  # a C handler, or ignored: leave it
                     continue
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self

@@ -113,26 +113,33 @@ def test_sweep_removes_dead_ranks_files_only(directory):
 SIGNAL_WHILE_ALLOCATING = """
 import os, signal, sys
 from ds_odc.comm.segments import CleanupOnSignal, create_reserved
-path = sys.argv[1]
+path, name, disposition = sys.argv[1:]
+# the disposition this test is about, whatever the one inherited (a background job ignores SIGINT)
+signal.signal(getattr(signal, name), {"python": signal.default_int_handler, "default": signal.SIG_DFL,
+                                       "ignored": signal.SIG_IGN}[disposition])
 with CleanupOnSignal() as guard:
     guard.track([path])
     create_reserved(path, 1 << 20)
     print("created", flush=True)
-    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    os.kill(os.getpid(), getattr(signal, name))
     for _ in range(100):
         pass
 print("survived", flush=True)
 """
 
 
-@pytest.mark.parametrize("name,expected", [("SIGTERM", -signal.SIGTERM), ("SIGHUP", -signal.SIGHUP),
-                                           ("SIGINT", -signal.SIGINT)])
-def test_a_signal_while_allocating_removes_the_files_then_acts_as_before(directory, name, expected):
+@pytest.mark.parametrize("name,disposition,expected", [
+    ("SIGTERM", "default", -signal.SIGTERM), ("SIGHUP", "default", -signal.SIGHUP),
+    ("SIGINT", "python", -signal.SIGINT), ("SIGTERM", "ignored", 0)])
+def test_a_signal_while_allocating_removes_the_files_then_acts_as_before(directory, name, disposition, expected):
     path = os.path.join(directory, "ds_odc_ab12_r0_params")
-    process = _python(SIGNAL_WHILE_ALLOCATING, path, name)
+    process = _python(SIGNAL_WHILE_ALLOCATING, path, name, disposition)
     out, err = process.communicate(timeout=60)
+    assert process.returncode == expected, (process.returncode, out, err)
+    if disposition == "ignored":  # the process goes on, and so must its files
+        assert "survived" in out and os.path.exists(path)
+        return
     assert "created" in out and "survived" not in out, (out, err)
-    assert process.returncode == expected, (process.returncode, err)
     if name == "SIGINT":  # Python's own handler ran: KeyboardInterrupt, and the exit status of SIGINT
         assert "KeyboardInterrupt" in err
     assert not os.path.exists(path)
