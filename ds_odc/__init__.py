@@ -11,6 +11,10 @@ from ds_odc.integration import register  # noqa: E402
 
 register()
 
+from ds_odc.integration import clean_exit  # noqa: E402
+
+clean_exit.install()  # gloo workers finish before Python finalizes (see clean_exit.py)
+
 from ds_odc.engine import ODCEngine  # noqa: E402
 from ds_odc.runtime import Normalisation, Phase  # noqa: E402
 
