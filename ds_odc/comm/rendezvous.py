@@ -50,6 +50,9 @@ class RoundKind(enum.IntEnum):
     WINDOWS_REWRITTEN = 4
     BARRIER = 5
     TEST = 6
+    OPEN = 7
+    GRADIENT_FENCE = 8
+    DISCARD = 9
 
     @property
     def text(self) -> str:
@@ -58,7 +61,10 @@ class RoundKind(enum.IntEnum):
                 RoundKind.PUBLISH: "publishing updated shards",
                 RoundKind.WINDOWS_REWRITTEN: "publishing shards rewritten outside a step",
                 RoundKind.BARRIER: "a barrier",
-                RoundKind.TEST: "a test round"}[self]
+                RoundKind.TEST: "a test round",
+                RoundKind.OPEN: "the first rendezvous after initialize (publishing shards written since)",
+                RoundKind.GRADIENT_FENCE: "a gradient fence outside a step (reading gradients before engine.step)",
+                RoundKind.DISCARD: "discarding gradients (optimizer.zero_grad outside a step)"}[self]
 
 
 def kind_text(kind: int) -> str:

@@ -6,7 +6,10 @@
 * ``_backward_prologue_per_tensor`` / ``_backward_post_hook``: the torch-style ``loss.backward()``
   path: no division by ``gradient_accumulation_steps`` for per-token micro-batches, and one ledger
   entry per backward.
-* ``_take_model_step``: ``global_samples`` advances by the *global* number of micro-batches.
+* ``_take_model_step``: ``global_samples`` advances by the *global* number of micro-batches; the
+  optimizer's ``zero_grad`` inside it is ZeRO-3's local one.
+* ``_backward_epilogue``: marks DeepSpeed's own ``allreduce_gradients`` call inside backward, so that
+  only a caller's explicit ``engine.allreduce_gradients()`` becomes a gradient fence.
 """
 from __future__ import annotations
 
@@ -61,7 +64,31 @@ class ODCEngineHooks:
 
     def _take_model_step(self, lr_kwargs):
         samples_before = self.global_samples
-        super()._take_model_step(lr_kwargs)
+        optimizer = self.optimizer
+        marked = isinstance(optimizer, ODCStage3Optimizer)
+        if marked:
+            optimizer.odc_inside_engine_step = True  # its zero_grad after the step is local
+        try:
+            super()._take_model_step(lr_kwargs)
+        finally:
+            if marked:
+                optimizer.odc_inside_engine_step = False
         totals = self.optimizer.odc.last_totals
         if totals is not None:
             self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * totals.total_micro_batches
+
+    def _backward_epilogue(self):
+        self._odc_in_backward_epilogue = True
+        try:
+            return super()._backward_epilogue()
+        finally:
+            self._odc_in_backward_epilogue = False
+
+    def allreduce_gradients(self, *args, **kwargs):
+        """DeepSpeed's; called by the script itself (not by backward), it also fences gradients, so
+        the optimizer's ``averaged_gradients`` hold every rank's micro-batches, as after ZeRO-3's."""
+        result = super().allreduce_gradients(*args, **kwargs)
+        optimizer = self.optimizer
+        if not getattr(self, "_odc_in_backward_epilogue", False) and isinstance(optimizer, ODCStage3Optimizer):
+            optimizer._odc_fence_for_read("engine.allreduce_gradients()")
+        return result

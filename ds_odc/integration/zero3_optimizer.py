@@ -17,6 +17,12 @@ Replaced, each by one override below:
 * ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering;
 * ``reduce_ready_partitions_and_remove_grads`` (and a forward pre-hook on every module): a heartbeat
   for peers waiting at the step, so that only a peer without progress times out.
+
+ZeRO-3's gradient reads before the step (``get_fp32_grad_partitions``, ``_get_fp32_grad_state_partition``
+under ``safe_get_full_grad`` / ``safe_get_local_grad`` / ``safe_set_*_grad``) first run a gradient
+fence (collective, as the reads they replace are in ZeRO-3); ``zero_grad`` called outside a step
+discards every rank's gradients (collective). Shards rebound by ``ds_tensor.data = t`` before the
+first rendezvous are copied back into the window by the open round (see :mod:`ds_odc.runtime.step`).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from ds_odc.errors import ODCConfigError
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
-from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, StepUpdate, WindowLayout
+from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepUpdate, WindowLayout
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -75,6 +81,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.odc: ODCRuntime | None = None
         self._odc_norms: GlobalNorms | None = None
         self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward
+        self.odc_inside_engine_step = False  # set by the engine around its step (its zero_grad is local)
         try:
             super().__init__(*args, **kwargs)
             self._adopt_accumulator_as_grad_buffer()
@@ -135,7 +142,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         transport.allocate(WindowSpec(layout.param_numel, compute_dtype, layout.grad_numel,
                                       ODCRuntime.exchange_width(len(self.fp16_groups)), accumulator_dtype))
         release_allreduce_buffer(dist.get_rank())  # allocate() ended with a barrier of every rank
-        self.odc = ODCRuntime(transport, layout, self._odc_ledger)
+        self.odc = ODCRuntime(transport, layout, self._odc_ledger, on_open=self._odc_publish_rebound_shards)
 
         window = transport.local_param_window()
         trainable = window.narrow(0, 0, layout.trainable_numel)
@@ -150,6 +157,24 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             view = window.narrow(0, slot.param_offset, slot.shard_numel)
             view.copy_(param.ds_tensor.data.reshape(-1))
             param.ds_tensor.data = view
+
+    def _odc_publish_rebound_shards(self) -> None:
+        """Copy shards that ``ds_tensor.data = t`` moved out of the window back into it (the open
+        round runs this before its first rendezvous; in-place writes land in the window already)."""
+        window = self.odc.transport.local_param_window()
+        for param in self._odc_all_params():
+            slot = self.odc.layout.slots.get(param.ds_id)
+            if slot is None or param.ds_tensor is None:
+                continue
+            view = window.narrow(0, slot.param_offset, slot.shard_numel)
+            shard = param.ds_tensor
+            if shard.data_ptr() == view.data_ptr() and shard.numel() == view.numel():
+                continue
+            if shard.numel() != view.numel():
+                raise ValueError(f"parameter {param.ds_id} ({tuple(param.ds_shape)}): its shard (ds_tensor) was replaced "
+                                 f"by one of {shard.numel()} elements, the partition has {view.numel()}")
+            view.copy_(shard.data.reshape(-1))
+            shard.data = view.view(shard.shape)
 
     def _adopt_accumulator_as_grad_buffer(self) -> None:
         """Let the fp32 accumulator window stand in for ZeRO-3's gradient partition buffer."""
@@ -176,6 +201,40 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         bucket.process_group = None
 
     _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = _odc_push_bucket
+
+    # -- gradients read or dropped before the step ----------------------------------------------------
+    def _odc_between_steps(self) -> bool:
+        return self.odc is not None and self.odc.phase in (Phase.IDLE, Phase.ACCUMULATING)
+
+    def _odc_fence_for_read(self, what: str) -> None:
+        """Make every rank's pushes visible before a ZeRO-3 gradient read between backward and step."""
+        if self._odc_between_steps():
+            self.odc.sync_gradients(what)
+            self._odc_point_averaged_gradients_at_accumulator()
+
+    def _odc_point_averaged_gradients_at_accumulator(self) -> None:
+        """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""
+        views = getattr(self, _GRAD_PARTITIONS)
+        for sub_group_id, sub_group in enumerate(self.fp16_groups):
+            self.averaged_gradients[sub_group_id] = [
+                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group]
+
+    def get_fp32_grad_partitions(self):
+        """ZeRO-3's, after a gradient fence (collective on ODC)."""
+        self._odc_fence_for_read("optimizer.get_fp32_grad_partitions()")
+        return super().get_fp32_grad_partitions()
+
+    def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
+        self._odc_fence_for_read("reading or writing a gradient partition (safe_get/set_*_grad)")
+        return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+
+    def zero_grad(self, set_to_none=True):
+        """Inside a step, ZeRO-3's (the accumulators are cleared by the step itself). Outside one,
+        called by every rank as ZeRO-3 expects, it drops every rank's gradients since the last step
+        (ZeRO-3's next backward overwrites its partitions): a collective discard."""
+        if self._odc_between_steps() and not self.odc_inside_engine_step:
+            self.odc.discard_gradients("optimizer.zero_grad() outside a step")
+        return super().zero_grad(set_to_none=set_to_none)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, closure=None):

@@ -8,7 +8,7 @@ leaves owners' accumulators with partial sums: the step could never be right).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -22,12 +22,13 @@ from ds_odc.runtime.step import Phase, StepProtocol, StepUpdate
 class ODCRuntime:
     """Pull / push / step for one data-parallel group."""
 
-    def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger):
+    def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
+                 on_open: Optional[Callable[[], None]] = None):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
         self.world_size = transport.world_size
-        self.protocol = StepProtocol(transport, ledger)
+        self.protocol = StepProtocol(transport, ledger, on_open)
         self.pulls = 0  # parameters pulled, for tests and metrics
         self.pushes = 0  # gradients pushed
 
@@ -57,7 +58,12 @@ class ODCRuntime:
         return out
 
     def push(self, key: int, grad: torch.Tensor) -> None:
-        """Add the full flat gradient of parameter ``key`` into its owners' accumulators."""
+        """Add the full flat gradient of parameter ``key``, divided by the world size, into its
+        owners' accumulators. ``grad`` is consumed: it is divided in place.
+
+        Dividing on the way in keeps each accumulator equal to ZeRO-3's gradient partition (the
+        reduce-scatter's average) at every moment, so ZeRO-3's gradient reads and writes between
+        backward and step keep their meaning; the step applies the rest of the normalisation."""
         self.protocol.before_push()
         slot = self.layout.slots[key]
         with self.protocol.failing_group("a gradient push"):
@@ -65,6 +71,8 @@ class ODCRuntime:
                 raise RuntimeError(f"parameter {key} is frozen but produced a gradient")
             if grad.numel() != slot.numel:
                 raise ValueError(f"gradient of parameter {key} has {grad.numel()} elements, expected {slot.numel}")
+            if self.world_size > 1:
+                grad.div_(self.world_size)
             for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
                 self.transport.accumulate(owner, slot.grad_offset, grad.narrow(0, start, count))
         self.pushes += 1
@@ -83,6 +91,14 @@ class ODCRuntime:
         """Every rank rewrote its own shards outside a step (a checkpoint load, GatheredParameters):
         meet, so that no rank pulls before every owner has finished writing."""
         self.protocol.meet(RoundKind.WINDOWS_REWRITTEN, what)
+
+    def sync_gradients(self, what: str) -> None:
+        """A gradient fence outside a step (collective): every rank's pushes so far have landed."""
+        self.protocol.sync_gradients(what)
+
+    def discard_gradients(self, what: str) -> None:
+        """Drop every rank's gradients since the last step (collective; ``optimizer.zero_grad()``)."""
+        self.protocol.discard_gradients(what)
 
     def barrier(self, what: str) -> None:
         """A barrier that fails fast, naming the rank, when a peer fails, dies or stalls."""

@@ -6,7 +6,8 @@ Every backward on a rank records one micro-batch with the rule its caller asked 
              ``gradient_accumulation_steps``): the summed gradient is divided by the *global*
              number of micro-batches, i.e. the mean over all micro-batches of all ranks;
 * ``CALLER`` the caller owns the scaling (``scale_wrt_gas=False``, unmanaged accumulation): the
-             summed gradient is divided by the world size, exactly as ZeRO-3's reduce-scatter does;
+             summed gradient is divided by the world size (on the way in: pushes are pre-divided),
+             exactly as ZeRO-3's reduce-scatter does;
 * ``TOKEN``  the micro-batch reported ``loss_tokens`` and its loss is a *sum* over those tokens:
              the summed gradient is divided by the global token count.
 
@@ -54,18 +55,19 @@ class StepTotals:
         return used[0] if used else None
 
     def gradient_divisor(self, world_size: int, gas: int = 1) -> float:
-        """The number the summed gradient is divided by (see the module docstring). MEAN gradients
-        arrive already divided by ``gas`` (DeepSpeed's per-micro-batch scaling), so they are divided
-        by ``global micro-batches / gas``: with equal counts that is ``world_size``, ZeRO-3's own
-        arithmetic."""
+        """The number each owner divides its accumulator by at the step. Accumulators hold ZeRO-3's
+        gradient partitions: the sum of every pushed gradient divided by ``world_size``. MEAN
+        gradients also arrive divided by ``gas`` (DeepSpeed's per-micro-batch scaling), so MEAN
+        divides by ``global micro-batches / (gas * world_size)``: 1 with equal counts, ZeRO-3's own
+        arithmetic. CALLER leaves ZeRO-3's average as it is; TOKEN makes it a per-token mean."""
         rule = self.rule()
         if rule is None:
-            return 1.0  # no micro-batch anywhere: gradients are all zero
+            return 1.0  # no micro-batch anywhere: nothing was pushed
         if rule is Normalisation.MEAN:
-            return self.micro_batches[Normalisation.MEAN] / gas
+            return self.micro_batches[Normalisation.MEAN] / (gas * world_size)
         if rule is Normalisation.CALLER:
-            return float(world_size)
-        return float(max(self.tokens, 1))  # zero tokens everywhere: gradients are all zero
+            return 1.0
+        return max(self.tokens, 1) / world_size  # zero tokens everywhere: gradients are all zero
 
 
 class MicroBatchLedger:

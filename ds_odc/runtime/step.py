@@ -7,7 +7,9 @@ through typed rendezvous rounds, with an explicit, guarded state machine::
     IDLE --push--> ACCUMULATING
     IDLE | ACCUMULATING --begin_step--> FENCING --fenced--> NORMING --normed--> UPDATING
         --updated--> PUBLISHING --published--> IDLE
-    IDLE | ACCUMULATING --meet--> (unchanged)        a round outside a step (windows rewritten, barrier)
+    IDLE | ACCUMULATING --meet--> (unchanged)        a round outside a step (windows rewritten, barrier,
+                                                     gradient fence)
+    IDLE | ACCUMULATING --discard--> IDLE            optimizer.zero_grad outside a step
     any --fail--> FAILED (final)   any --close--> CLOSED (final)
 
 Rounds of step ``s`` (each carries ``s``, its kind and its length, checked on every rank):
@@ -19,6 +21,28 @@ Rounds of step ``s`` (each carries ``s``, its kind and its length, checked on ev
 3. the **update** (the engine adapter's :class:`StepUpdate`: e.g. ZeRO-3's optimizer step) writes
    the owner's new shards into its window;
 4. **publish**: every owner has written its shards and cleared its accumulator; pulls may resume.
+
+Owners' accumulators hold what ZeRO-3's gradient partitions hold at every moment: the sum over
+pushed micro-batches of the gradient divided by the world size (pushes arrive pre-divided, see
+:meth:`~ds_odc.runtime.core.ODCRuntime.push`), so the step divides by the normalisation divisor over
+the world size, and ZeRO-3's gradient reads between backward and step see ZeRO-3's numbers.
+
+Rounds outside a step, each one collective (every rank calls it at the same point):
+
+* **open**: the first round of every rank after ``initialize``, run before its first pull, push,
+  step or any other round. Each rank first publishes shards written since the windows were made
+  (``ds_tensor.data = t`` rebinds a shard away from the window: the ``on_open`` hook copies it
+  back), so every rank's first forward pulls what every owner wrote before it (ZeRO-3's first
+  all-gather orders the same writes);
+* **gradient fence** (:meth:`StepProtocol.sync_gradients`): every push so far has landed, counts
+  and accumulators are left as they are: gradient reads before ``engine.step`` (``get_fp32_grad_
+  partitions``, ``safe_get_full_grad``, ``engine.allreduce_gradients()``) then see every rank's
+  micro-batches, as after ZeRO-3's reduce-scatter;
+* **discard** (:meth:`StepProtocol.discard_gradients`): ``optimizer.zero_grad()`` called outside a
+  step drops the gradients of the micro-batches so far on every rank (ZeRO-3's next backward
+  overwrites its partitions): a fence, every owner zeroes its accumulator and the counts, and a
+  second round so that no rank pushes before every owner has zeroed;
+* windows rewritten (checkpoint load, ``GatheredParameters``) and barriers (checkpoint save).
 
 All or nothing: any exception or signal on this rank inside the step, a push, or a round outside
 a step records a failure in the group's control plane (:meth:`Transport.mark_failed`) and moves to
@@ -34,7 +58,7 @@ import abc
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -66,6 +90,7 @@ class Event(enum.Enum):
     UPDATED = "the end of the optimizer update"
     PUBLISHED = "the end of publishing"
     MEET = "a rendezvous round outside a step"
+    DISCARD = "discarding gradients outside a step"
     FAIL = "a failure"
     CLOSE = "closing"
 
@@ -84,6 +109,8 @@ TRANSITIONS = {
     (Phase.PUBLISHING, Event.PUBLISHED): Phase.IDLE,
     (Phase.IDLE, Event.MEET): Phase.IDLE,
     (Phase.ACCUMULATING, Event.MEET): Phase.ACCUMULATING,
+    (Phase.IDLE, Event.DISCARD): Phase.IDLE,
+    (Phase.ACCUMULATING, Event.DISCARD): Phase.IDLE,
     **{(phase, Event.FAIL): Phase.FAILED for phase in Phase if phase is not Phase.CLOSED},
     **{(phase, Event.CLOSE): Phase.CLOSED for phase in Phase},
 }
@@ -97,6 +124,7 @@ _HINTS = {
     Event.PUSH: "gradients of this step were already fenced; call backward before engine.step()",
     Event.BEGIN_STEP: "a step is already in progress on this rank",
     Event.MEET: "rounds outside a step cannot run inside one",
+    Event.DISCARD: "gradients cannot be discarded inside an optimizer step",
 }
 
 
@@ -151,9 +179,13 @@ class StepUpdate(abc.ABC):
 class StepProtocol:
     """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
 
-    def __init__(self, transport: Transport, ledger: MicroBatchLedger):
+    def __init__(self, transport: Transport, ledger: MicroBatchLedger,
+                 on_open: Optional[Callable[[], None]] = None):
         self.transport = transport
         self.ledger = ledger
+        self.on_open = on_open  # publishes this rank's shards written since the windows were made
+        self.opened = False
+        self._discarded: Optional[torch.Tensor] = None  # see discard_gradients
         self.machine = StepStateMachine()
         self.step_number = 1  # the step in progress (or the next one); rounds carry it
         self.last_totals: Optional[StepTotals] = None
@@ -168,12 +200,15 @@ class StepProtocol:
     # -- between steps ---------------------------------------------------------------------------------
     def before_pull(self) -> None:
         self._usable()
+        self._open()
         self.machine.advance(Event.PULL)
         self._note(Activity.MICRO_BATCHES)
 
     def before_push(self) -> None:
         self._usable()
+        self._open()
         self.machine.advance(Event.PUSH)
+        self._discarded = None  # a micro-batch after the discard: the step cannot restore it
         self._note(Activity.MICRO_BATCHES)
 
     def record_micro_batch(self, rule, tokens: int = 0) -> None:
@@ -185,6 +220,7 @@ class StepProtocol:
     def step(self, update: StepUpdate) -> StepTotals:
         """One optimizer step of this rank; returns the fence's global counts."""
         self._usable()
+        self._open()
         self.machine.advance(Event.BEGIN_STEP)
         with self.failing_group():
             rows = self.round(RoundKind.FENCE, self.ledger.fence_vector())
@@ -194,6 +230,9 @@ class StepProtocol:
             self.last_totals = totals
             self.machine.advance(Event.FENCED)
             accumulator = self.transport.local_grad_accumulator()
+            discarded, self._discarded = self._discarded, None
+            if discarded is not None and totals.total_micro_batches == 0:
+                accumulator.copy_(discarded)  # ZeRO-3 steps on the partitions zero_grad left in place
             if divisor != 1.0:
                 accumulator.div_(divisor)
             rows = self.round(RoundKind.NORM, update.squared_norms().to(torch.float64))
@@ -212,11 +251,49 @@ class StepProtocol:
         """A round outside a step (every rank calls it at the same point): windows rewritten by
         their owners (a checkpoint load, GatheredParameters), or a barrier (checkpoint save)."""
         self._usable()
+        self._open()
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
             self.round(kind, torch.zeros(0, dtype=torch.float64), what)
         self._note(previous, force=True)
+
+    def sync_gradients(self, what: str) -> None:
+        """A gradient fence without a step: afterwards this owner's accumulator holds every rank's
+        pushes so far (see the module docstring). Collective."""
+        self.meet(RoundKind.GRADIENT_FENCE, what)
+
+    def discard_gradients(self, what: str) -> None:
+        """Drop every rank's gradients since the last step (collective): fence, zero this owner's
+        accumulator and counts, then meet again so that no rank pushes before every owner zeroed.
+
+        ZeRO-3's ``zero_grad`` only makes the next backward overwrite its partitions: a step with no
+        backward anywhere after it updates with the old gradients. So the old accumulator is kept
+        until this rank pushes again or the next step, which restores it if no rank ran a micro-batch
+        since (the only case where that copy is used; it costs one accumulator while it is kept)."""
+        self._usable()
+        self._open()
+        self.machine.advance(Event.DISCARD)
+        previous = self._activity or Activity.IDLE
+        empty = torch.zeros(0, dtype=torch.float64)
+        with self.failing_group(what):
+            self.round(RoundKind.DISCARD, empty, what)
+            accumulator = self.transport.local_grad_accumulator()
+            self._discarded = accumulator.clone()
+            accumulator.zero_()
+            self.ledger.reset()
+            self.round(RoundKind.DISCARD, empty, what)
+        self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)
+
+    def _open(self) -> None:
+        """The open round, once, before this rank's first pull, push, step or round."""
+        if self.opened:
+            return
+        self.opened = True
+        with self.failing_group(RoundKind.OPEN.text):
+            if self.on_open is not None:
+                self.on_open()
+            self.round(RoundKind.OPEN, torch.zeros(0, dtype=torch.float64))
 
     @contextlib.contextmanager
     def saving(self):

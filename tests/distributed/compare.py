@@ -11,3 +11,17 @@ def max_rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def worst_rel_diff(actual: dict, expected: dict) -> float:
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     return max(max_rel_diff(actual[k], expected[k]) for k in expected)
+
+
+def assert_close_nested(actual, expected, rtol: float, atol: float, path: str = "") -> None:
+    """``torch.testing.assert_close`` through dicts, lists and tuples, naming the path that differs."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{path}: keys {actual} vs {expected}"
+        for key in expected:
+            assert_close_nested(actual[key], expected[key], rtol, atol, f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{path}: {actual} vs {expected}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_close_nested(a, e, rtol, atol, f"{path}[{i}]")
+    else:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{path}: {m}")

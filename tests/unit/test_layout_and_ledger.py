@@ -32,13 +32,14 @@ def _totals(*rows):
 
 
 def test_normalisation_divisors_follow_the_documented_rules():
-    # rank 0 ran 1 MEAN micro-batch, rank 1 ran 3
-    assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2) == 4.0
-    # MEAN gradients arrive divided by gas: 4 micro-batches at gas 2 -> divide by 2 (the mean)
-    assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2, gas=2) == 2.0
-    assert _totals([0, 1, 0, 0], [0, 3, 0, 0]).gradient_divisor(2) == 2.0
-    assert _totals([0, 0, 2, 0], [0, 0, 1, 17]).gradient_divisor(2) == 17.0
-    assert _totals([0, 0, 2, 0], [0, 0, 1, 0]).gradient_divisor(2) == 1.0  # no token at all: grads are 0
+    # accumulators hold (sum of gradients) / world, ZeRO-3's partitions; the divisor is applied on top.
+    # rank 0 ran 1 MEAN micro-batch, rank 1 ran 3: the mean over 4 is sum / 4 = (sum / 2) / 2
+    assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2) == 2.0
+    # MEAN gradients arrive divided by gas too: 4 micro-batches at gas 2, equal counts -> ZeRO-3's, 1
+    assert _totals([1, 0, 0, 0], [3, 0, 0, 0]).gradient_divisor(2, gas=2) == 1.0
+    assert _totals([0, 1, 0, 0], [0, 3, 0, 0]).gradient_divisor(2) == 1.0
+    assert _totals([0, 0, 2, 0], [0, 0, 1, 17]).gradient_divisor(2) == 8.5  # sum / 17 = (sum / 2) / 8.5
+    assert _totals([0, 0, 2, 0], [0, 0, 1, 0]).gradient_divisor(2) == 0.5  # no token at all: grads are 0 anyway
     assert _totals([0, 0, 0, 0], [0, 0, 0, 0]).gradient_divisor(2) == 1.0
     totals = _totals([1, 0, 0, 0], [3, 0, 0, 0])
     assert totals.per_rank_micro_batches == (1, 3) and totals.total_micro_batches == 4

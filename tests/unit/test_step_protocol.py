@@ -85,13 +85,13 @@ def test_a_step_fences_normalises_norms_updates_and_publishes_in_three_rounds():
         assert totals.micro_batches[Normalisation.CALLER] == 2 and totals.per_rank_micro_batches == (1, 1)
         # CALLER divides the sum (1 + 2 = 3 per element) by the world size: 1.5 in each of 16 elements
         assert norm == pytest.approx((16 * 1.5**2) ** 0.5)
-        assert rounds == 3 and phase is Phase.IDLE and step_number == 2
+        assert rounds == 1 + 3 and phase is Phase.IDLE and step_number == 2  # the open round, then the step's
         assert torch.equal(pulled, torch.ones(16))  # every owner added 1 to its shard in the update
     assert all(int(torch.count_nonzero(g)) == 0 for g in group.grads)  # accumulators cleared at publish
 
 
 def test_the_norm_round_runs_whatever_the_update_does_with_it():
-    """An overflowing step (non-finite norm) still has its three rounds, on every rank."""
+    """An overflowing step (non-finite norm) still has its three rounds (after the open round), on every rank."""
     group = LoopbackGroup(2)
 
     def rank_fn(rank, transport):
@@ -100,7 +100,7 @@ def test_the_norm_round_runs_whatever_the_update_does_with_it():
         runtime.step(update)
         return update.norms.finite, transport.exchanges
 
-    assert [value for _, value in group.run(rank_fn)] == [(False, 3), (False, 3)]
+    assert [value for _, value in group.run(rank_fn)] == [(False, 1 + 3), (False, 1 + 3)]
 
 
 # -- rounds that do not match ---------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_ranks_in_different_rounds_both_raise_naming_both_sides():
     for rank, (ok, err) in enumerate(results):
         assert not ok and isinstance(err, ODCPeerError), err
         other = 1 - rank
-        assert f"rank {other}" in str(err) and "round 1" in str(err), err
+        assert f"rank {other}" in str(err) and "round 2" in str(err), err  # round 1: the open round
         assert "the step fence" in str(err) and "save_checkpoint" in str(err), err
 
 
@@ -311,3 +311,110 @@ def test_step_protocol_refuses_after_close():
     protocol.close()
     with pytest.raises(ODCStateError, match="destroyed"):
         protocol.before_pull()
+
+
+# -- rounds outside a step: open, gradient fence, discard --------------------------------------------
+def test_the_open_round_runs_once_before_anything_else_whatever_each_rank_does_first():
+    """A rank whose first act is a pull and one that goes straight to the step (no micro-batch)
+    both pass the open round first; each runs its publish hook right before it, once."""
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        opened = []
+        layout = WindowLayout()
+        layout.add_trainable(0, 32, 16)
+        runtime = ODCRuntime(transport, layout, MicroBatchLedger(),
+                             on_open=lambda: opened.append(transport.exchanges))
+        transport.local_param_window().fill_(rank + 1)  # "written after the windows were made"
+        if rank == 0:
+            pulled = runtime.pull(0, torch.empty(32))
+            runtime.push(0, torch.ones(32))
+            runtime.record_micro_batch(Normalisation.MEAN)
+        else:
+            pulled = None
+        runtime.step(Update(transport))
+        runtime.pull(0, torch.empty(32))
+        return opened, pulled
+
+    results = group.run(rank_fn)
+    for ok, value in results:
+        assert ok, value
+    assert [value[0] for _, value in results] == [[0], [0]]  # once each, before the first round
+    assert results[0][1][1].tolist() == [1.0] * 16 + [2.0] * 16  # rank 1's write, seen by rank 0's first pull
+
+
+def test_a_gradient_fence_shows_every_rank_s_pushes_and_keeps_the_counts():
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        runtime = runtime_for(transport, numel=8)
+        if rank == 0:
+            runtime.push(0, torch.full((16,), 4.0))
+            runtime.record_micro_batch(Normalisation.MEAN)
+        runtime.sync_gradients("reading gradients")
+        seen = transport.local_grad_accumulator()[:8].clone()
+        phase = runtime.phase
+        totals = runtime.step(Update(transport))
+        return seen, phase, totals.per_rank_micro_batches
+
+    for rank, (ok, value) in enumerate(group.run(rank_fn)):
+        assert ok, value
+        seen, phase, per_rank = value
+        assert seen.tolist() == [2.0] * 8  # 4 / world size: ZeRO-3's reduce-scatter average
+        assert phase is (Phase.ACCUMULATING if rank == 0 else Phase.IDLE)
+        assert per_rank == (1, 0)  # the fence did not consume the counts
+
+
+def test_discarding_gradients_zeroes_every_accumulator_and_count_on_every_rank():
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        runtime = runtime_for(transport, numel=8)
+        runtime.push(0, torch.full((16,), 3.0))
+        runtime.record_micro_batch(Normalisation.MEAN)
+        runtime.discard_gradients("optimizer.zero_grad()")
+        after_discard = transport.local_grad_accumulator().clone()
+        phase = runtime.phase
+        runtime.barrier("every rank looked")  # a peer may push the next micro-batch at once
+        runtime.push(0, torch.full((16,), float(rank + 1)))
+        runtime.record_micro_batch(Normalisation.CALLER)
+        update = Update(transport)
+        totals = runtime.step(update)
+        return after_discard, phase, totals.per_rank_micro_batches, update.norms.total()
+
+    for ok, value in group.run(rank_fn):
+        assert ok, value
+        after_discard, phase, per_rank, norm = value
+        assert not after_discard.any() and phase is Phase.IDLE and per_rank == (1, 1)
+        assert norm == pytest.approx((16 * 1.5**2) ** 0.5)  # only the pushes after the discard: (1 + 2) / 2
+
+
+def test_discarding_inside_a_step_is_refused():
+    machine = StepStateMachine()
+    for event in (Event.BEGIN_STEP, ):
+        machine.advance(event)
+    with pytest.raises(ODCStateError, match="gradients cannot be discarded inside an optimizer step"):
+        machine.advance(Event.DISCARD)
+
+
+def test_a_step_right_after_a_discard_with_no_micro_batch_anywhere_uses_the_old_gradients():
+    """ZeRO-3's zero_grad only makes the next backward overwrite: with none, the step sees the old
+    gradients. With a micro-batch on any rank, only the new ones count."""
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport, again):
+        runtime = runtime_for(transport, numel=8)
+        runtime.push(0, torch.full((16,), 2.0))
+        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.discard_gradients("optimizer.zero_grad()")
+        if again and rank == 1:
+            runtime.push(0, torch.full((16,), 6.0))
+            runtime.record_micro_batch(Normalisation.CALLER)
+        update = Update(transport)
+        runtime.step(update)
+        return update.norms.total()
+
+    stale = group.run(lambda rank, transport: rank_fn(rank, transport, again=False))
+    fresh = LoopbackGroup(2).run(lambda rank, transport: rank_fn(rank, transport, again=True))
+    assert [v for _, v in stale] == [pytest.approx((16 * 2.0**2) ** 0.5)] * 2  # (2 + 2) / 2 per element
+    assert [v for _, v in fresh] == [pytest.approx((16 * 3.0**2) ** 0.5)] * 2  # 6 / 2, rank 1's only

@@ -1,0 +1,103 @@
+"""ZeRO-3 APIs a training script uses between initialize, backward and step, run the same way on
+ZeRO-3 and on ODC (see test_zero3_contracts.py). Each returns what the script would observe."""
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as tdist
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_grad, safe_set_full_fp32_param, safe_set_full_grad)
+
+from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+
+GAS = 2
+
+
+def _engine(stage, hidden=7, **cfg):
+    engine, *_ = deepspeed.initialize(model=make_model(hidden=hidden), config=ds_config(stage, gas=GAS, **cfg))
+    return engine
+
+
+def _backward(engine, step, index):
+    x, y, _ = micro_batch(step, tdist.get_rank(), index)
+    loss = mse_mean(engine(x), y)
+    engine.backward(loss)
+    return loss.item()
+
+
+def shard_writes_after_initialize(stage):
+    """Every rank rebinds (``ds_tensor.data = t``) or writes in place its own shards right after
+    initialize, then runs a forward: the output uses every rank's writes."""
+    engine = _engine(stage)
+    rank = tdist.get_rank()
+    for i, param in enumerate(engine.module.parameters()):
+        if i % 2 == 0:
+            param.ds_tensor.data = torch.full_like(param.ds_tensor.data, 0.01 * (i + 1) * (rank + 1))
+        else:
+            param.ds_tensor.data.fill_(-0.02 * (i + 1) * (rank + 1))
+    x, _, _ = micro_batch(0, 0, 0)
+    out = engine(x).detach().clone()
+    engine.destroy()
+    return out
+
+
+def gradient_reads_before_step(stage, counts):
+    """``counts[rank]`` micro-batches, then the gradient reads ZeRO-3 offers before the step."""
+    engine = _engine(stage)
+    for index in range(counts[tdist.get_rank()]):
+        _backward(engine, 0, index)
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    params = dict(engine.module.named_parameters())
+    seen = {"partitions": {g: {i: t.clone() for i, t in group.items()}
+                           for g, group in engine.optimizer.get_fp32_grad_partitions().items()},
+            "full": {n: safe_get_full_grad(params[n]).clone() for n in names},
+            "local": {n: safe_get_local_grad(params[n]).clone() for n in names}}
+    engine.allreduce_gradients()  # called by the script, as DeepSpeed's own tests do
+    seen["averaged"] = [g.clone() for g in engine.optimizer.averaged_gradients[0]]
+    engine.step()
+    seen["norm"] = engine.get_global_grad_norm()
+    seen["params"] = full_params(engine)
+    engine.destroy()
+    return seen
+
+
+def zero_grad_between_backward_and_step(stage, backward_after: bool):
+    """Two micro-batches, ``optimizer.zero_grad()`` (every rank), then two more (or none) and the step.
+    SGD without clipping: the update shows the gradient itself (Adam's first step hides its size)."""
+    engine = _engine(stage, optimizer="sgd", clip=0.0)
+    for index in range(GAS):
+        _backward(engine, 0, index)
+    engine.optimizer.zero_grad()
+    if backward_after:
+        for index in range(GAS):
+            _backward(engine, 1, index)
+    engine.step()
+    params = full_params(engine)
+    engine.destroy()
+    return params
+
+
+def collective_writes(stage):
+    """Writes through ZeRO-3's collective APIs between steps: a gradient set before the step, an
+    fp32 master weight set after it, a parameter rewritten under GatheredParameters(modifier_rank=0);
+    the forward and the step after each see them."""
+    # even sizes: ZeRO-3's safe_set_full_* cut the last rank's slice past an odd parameter's end
+    engine = _engine(stage, hidden=8)
+    module = engine.module
+    for index in range(GAS):
+        _backward(engine, 0, index)
+    safe_set_full_grad(module.out.weight, torch.linspace(-0.5, 0.5, module.out.weight.ds_numel).view(3, 8))
+    engine.step()
+    seen = {"after_set_grad": full_params(engine)}
+    safe_set_full_fp32_param(module.inp.bias, torch.linspace(-1.0, 1.0, module.inp.bias.ds_numel))
+    with deepspeed.zero.GatheredParameters([module.blocks[0].weight], modifier_rank=0):
+        if tdist.get_rank() == 0:
+            module.blocks[0].weight.data.fill_(0.25)
+    x, _, _ = micro_batch(5, 0, 0)
+    seen["forward"] = engine(x).detach().clone()
+    for index in range(GAS):
+        _backward(engine, 2, index)
+    engine.step()
+    seen["after_step"] = full_params(engine)
+    seen["inp_bias"] = safe_get_full_fp32_param(module.inp.bias).clone()
+    engine.destroy()
+    return seen

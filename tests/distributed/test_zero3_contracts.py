@@ -1,0 +1,54 @@
+"""ZeRO-3's API contracts hold on ODC: the same script on ``"stage": 3`` and ``"stage": "odc"``
+observes the same values (2 ranks, real engines). Between backward and step the reads are
+collective on ODC (a gradient fence), as they are in ZeRO-3; see the README's "ZeRO-3 APIs"."""
+import pytest
+import torch
+
+from tests.distributed import contract_workloads as contracts
+from tests.distributed.compare import assert_close_nested
+from tests.distributed.harness import run_ranks
+from tests.distributed.workloads import make_model, micro_batch, mse_mean
+
+
+def _both(fn, *args):
+    return run_ranks(fn, 2, 3, *args), run_ranks(fn, 2, "odc", *args)
+
+
+def test_shard_writes_right_after_initialize_are_what_every_rank_s_first_forward_uses():
+    zero3, odc = _both(contracts.shard_writes_after_initialize)
+    assert not torch.allclose(zero3[0], make_model()(micro_batch(0, 0, 0)[0]))  # the writes changed it
+    for rank in range(2):
+        torch.testing.assert_close(odc[rank], zero3[rank], rtol=0, atol=0)
+
+
+def test_gradient_reads_between_backward_and_step_equal_zero3():
+    zero3, odc = _both(contracts.gradient_reads_before_step, (2, 2))
+    for rank in range(2):
+        assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)  # summation order differs (pushes vs reduce-scatter)
+
+
+def test_gradient_reads_with_different_micro_batch_counts_see_every_rank():
+    """Ranks ran 3 and 0 micro-batches (ZeRO-3 cannot): every read is the sum over all of them,
+    divided by the world size (ZeRO-3's partition arithmetic), from a single process."""
+    odc = run_ranks(contracts.gradient_reads_before_step, 2, "odc", (3, 0))
+    model = make_model()
+    for index in range(3):
+        x, y, _ = micro_batch(0, 0, index)
+        (mse_mean(model(x), y) / contracts.GAS).backward()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            for rank in range(2):
+                torch.testing.assert_close(odc[rank]["full"][name], param.grad / 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backward_after", [True, False], ids=["backward-after", "step-right-after"])
+def test_zero_grad_outside_a_step_discards_as_zero3_does(backward_after):
+    zero3, odc = _both(contracts.zero_grad_between_backward_and_step, backward_after)
+    assert_close_nested(odc[0], zero3[0], rtol=1e-5, atol=1e-6)  # summation order differs (pushes vs reduce-scatter)
+
+
+def test_writes_through_collective_apis_are_seen_by_the_next_forward_and_step():
+    zero3, odc = _both(contracts.collective_writes)
+    for rank in range(2):
+        # two Adam steps (lr 1e-2) amplify the summation-order differences; the writes move values by > 0.1
+        assert_close_nested(odc[rank], zero3[rank], rtol=1e-4, atol=1e-5)
