@@ -205,6 +205,8 @@ SURFACE: tuple[PrivateName, ...] = (
                 "overridden: pushes instead of the reduce-scatter"),
     PrivateName(_Z3, _STAGE3, "_get_norm_groups", Kind.METHOD, f"{_OPT}, {_METRICS}",
                 "overridden: one norm exchange"),
+    PrivateName(_Z3, _STAGE3, "has_overflow", Kind.METHOD, _OPT,
+                "overridden: the norm round's verdict (fp16 skips the same steps everywhere)"),
     PrivateName(_Z3, _STAGE3, "_get_fp32_grad_state_partition", Kind.METHOD, _OPT,
                 "overridden: a gradient fence before safe_get/set_*_grad reads a partition"),
     PrivateName(_Z3, _STAGE3, "_post_step", Kind.METHOD, f"{_OPT}, {_METRICS}",

@@ -14,6 +14,9 @@ Replaced, each by one override below:
   and the update (ZeRO-3's own ``step``, which then reads the protocol's norms);
 * ``_get_norm_groups``: the norm round's result instead of an all-reduce per sub-group, so ZeRO-3's
   step makes no collective and its overflow branch cannot change the number of rounds;
+* ``has_overflow`` (fp16's dynamic loss scaling asks it): the norm round's verdict (any rank's
+  gradient not finite) instead of an all-reduce of a local flag, so every rank skips the same steps
+  and updates its loss scale the same way;
 * ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering;
 * ``reduce_ready_partitions_and_remove_grads`` (and a forward pre-hook on every module): a heartbeat
   for peers waiting at the step, so that only a peer without progress times out.
@@ -249,6 +252,13 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         norms = self._odc_norms.group_norms()
         sentinel = torch.tensor(-1.0, dtype=torch.float)
         return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device) for n in norms]
+
+    def has_overflow(self, partition_gradients=True):
+        """Inside an ODC step: whether any rank's gradient is not finite (the norm round's result,
+        the same on every rank). ZeRO-3's check would all-reduce a flag read from this owner's shard."""
+        if self._odc_norms is None:
+            return super().has_overflow(partition_gradients)
+        return not self._odc_norms.finite
 
     def _post_step(self, timer_names):
         persistent, self.persistent_parameters = self.persistent_parameters, []

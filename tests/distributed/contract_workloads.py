@@ -9,11 +9,14 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_
 
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
-GAS = 2
+MICRO_BATCHES = 2  # per step and rank, unless a workload says otherwise
 
 
 def _engine(stage, hidden=7, **cfg):
-    engine, *_ = deepspeed.initialize(model=make_model(hidden=hidden), config=ds_config(stage, gas=GAS, **cfg))
+    """Unmanaged accumulation: each rank runs its micro-batches, then one ``engine.step()`` (the
+    boundary), as DeepSpeed's own tests do; ZeRO-3 then needs equal counts, ODC does not."""
+    config = ds_config(stage, gas=1, managed=False, **cfg)
+    engine, *_ = deepspeed.initialize(model=make_model(hidden=hidden), config=config)
     return engine
 
 
@@ -64,11 +67,11 @@ def zero_grad_between_backward_and_step(stage, backward_after: bool):
     """Two micro-batches, ``optimizer.zero_grad()`` (every rank), then two more (or none) and the step.
     SGD without clipping: the update shows the gradient itself (Adam's first step hides its size)."""
     engine = _engine(stage, optimizer="sgd", clip=0.0)
-    for index in range(GAS):
+    for index in range(MICRO_BATCHES):
         _backward(engine, 0, index)
     engine.optimizer.zero_grad()
     if backward_after:
-        for index in range(GAS):
+        for index in range(MICRO_BATCHES):
             _backward(engine, 1, index)
     engine.step()
     params = full_params(engine)
@@ -83,7 +86,7 @@ def collective_writes(stage):
     # even sizes: ZeRO-3's safe_set_full_* cut the last rank's slice past an odd parameter's end
     engine = _engine(stage, hidden=8)
     module = engine.module
-    for index in range(GAS):
+    for index in range(MICRO_BATCHES):
         _backward(engine, 0, index)
     safe_set_full_grad(module.out.weight, torch.linspace(-0.5, 0.5, module.out.weight.ds_numel).view(3, 8))
     engine.step()
@@ -94,10 +97,36 @@ def collective_writes(stage):
             module.blocks[0].weight.data.fill_(0.25)
     x, _, _ = micro_batch(5, 0, 0)
     seen["forward"] = engine(x).detach().clone()
-    for index in range(GAS):
+    for index in range(MICRO_BATCHES):
         _backward(engine, 2, index)
     engine.step()
     seen["after_step"] = full_params(engine)
     seen["inp_bias"] = safe_get_full_fp32_param(module.inp.bias).clone()
+    engine.destroy()
+    return seen
+
+
+def overflow_on_one_rank(stage):
+    """fp16's overflow path of ZeRO-3's step (``optimizer.dtype`` set to fp16 after initialize:
+    DeepSpeed's CPU accelerator refuses fp16 engines) with a non-finite gradient on rank 0 only:
+    every rank must skip the same step, then train on. Returns, per step, whether this rank saw an
+    overflow and whether its parameters moved, and the collectives its steps issued."""
+    from tests.distributed import workloads
+    engine = _engine(stage, clip=0.0)
+    engine.optimizer.dtype = torch.float16
+    counter = workloads._counter
+    seen = []
+    for step in range(2):
+        for index in range(MICRO_BATCHES):
+            _backward(engine, step, index)
+        if step == 0 and tdist.get_rank() == 0:
+            engine.optimizer.grad_partitions_flat_buffer[0] = float("inf")  # this owner's shard only
+        before = full_params(engine)
+        counter.take()
+        engine.step()
+        collectives = counter.take()
+        after = full_params(engine)
+        moved = any(not torch.equal(before[n], after[n]) for n in before)
+        seen.append({"overflow": bool(engine.optimizer.overflow), "moved": moved, "collectives": collectives})
     engine.destroy()
     return seen

@@ -34,7 +34,7 @@ def test_gradient_reads_with_different_micro_batch_counts_see_every_rank():
     model = make_model()
     for index in range(3):
         x, y, _ = micro_batch(0, 0, index)
-        (mse_mean(model(x), y) / contracts.GAS).backward()
+        mse_mean(model(x), y).backward()
     for name, param in model.named_parameters():
         if param.requires_grad:
             for rank in range(2):
@@ -52,3 +52,12 @@ def test_writes_through_collective_apis_are_seen_by_the_next_forward_and_step():
     for rank in range(2):
         # two Adam steps (lr 1e-2) amplify the summation-order differences; the writes move values by > 0.1
         assert_close_nested(odc[rank], zero3[rank], rtol=1e-4, atol=1e-5)
+
+
+def test_a_non_finite_gradient_on_one_rank_makes_every_rank_skip_that_step_without_a_collective():
+    from tests.distributed.workloads import install_collective_counter
+    odc = run_ranks(contracts.overflow_on_one_rank, 2, "odc", setup=install_collective_counter)
+    for rank in range(2):
+        assert [s["overflow"] for s in odc[rank]] == [True, False], odc
+        assert [s["moved"] for s in odc[rank]] == [False, True], odc
+        assert [s["collectives"] for s in odc[rank]] == [0, 0], odc  # the norm round decided
