@@ -85,7 +85,8 @@ class ODCConfig(BaseModel):
 #: ZeRO options ODC cannot honour yet: (path in zero_optimization, predicate of "in use", why).
 _UNSUPPORTED_ZERO_OPTIONS = (
     ("offload_param", lambda v: _offload_enabled(v), "parameter offload is not supported with the odc stage"),
-    ("offload_optimizer", lambda v: _offload_enabled(v), "optimizer offload is not supported with the odc stage"),
+    ("offload_optimizer", lambda v: isinstance(v, dict) and v.get("device") == "nvme",
+     "optimizer offload to NVMe is not supported with the odc stage (\"device\": \"cpu\" is)"),
     ("zero_hpz_partition_size", lambda v: v not in (None, 1), "hpZ secondary partitions are not supported"),
     ("zero_quantized_weights", bool, "quantized weights are not supported"),
     ("zero_quantized_nontrainable_weights", bool, "quantized weights are not supported"),

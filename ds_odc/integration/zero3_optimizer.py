@@ -70,6 +70,7 @@ class _Zero3Update(StepUpdate):
 
     def apply(self, norms: GlobalNorms) -> None:
         self.optimizer._odc_norms = norms
+        self.optimizer._odc_stage_offload_grads()
         try:
             DeepSpeedZeroOptimizer_Stage3.step(self.optimizer)
         finally:
@@ -114,6 +115,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
         if self.offload_param:
             raise ODCConfigError("zero_optimization.offload_param is not supported with the odc stage")
+        if getattr(self, "swap_optimizer", False):
+            raise ODCConfigError("zero_optimization.offload_optimizer to NVMe is not supported with the odc stage")
         self._build_windows()
 
     def _build_windows(self) -> None:
@@ -214,6 +217,40 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._odc_between_steps():
             self.odc.sync_gradients(what)
             self._odc_point_averaged_gradients_at_accumulator()
+            self._odc_stage_offload_grads()
+
+    def _odc_stage_offload_grads(self) -> None:
+        """Optimizer offload: ZeRO-3's step (and its gradient reads) use each sub-group's host fp32
+        gradient buffer, which ZeRO-3 fills from its partitions at the boundary. On ODC the
+        partitions are the accumulator, so copy it there (a device-to-host copy on GPU, once per step)."""
+        if not self.offload_optimizer:
+            return
+        views = getattr(self, _GRAD_PARTITIONS)
+        for sub_group_id, sub_group in enumerate(self.fp16_groups):
+            host_grads = self.fp32_partitioned_groups_flat[sub_group_id].grad
+            for param in sub_group:
+                _, offset, numel = self.grad_position[self.get_param_id(param)]
+                target = host_grads.narrow(0, offset, numel)
+                if param.requires_grad:
+                    target.copy_(views[param.ds_id])
+                else:
+                    target.zero_()
+
+    def _odc_offload_grad_written(self, param) -> None:
+        """A gradient set through ZeRO-3 went to the host buffer under offload: the accumulator, which
+        the step copies from, must hold it too."""
+        if self.offload_optimizer and param.requires_grad:
+            group, offset, numel = self.grad_position[self.get_param_id(param)]
+            getattr(self, _GRAD_PARTITIONS)[param.ds_id].copy_(
+                self.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel))
+
+    def set_fp32_grad_for_param(self, value, param):
+        super().set_fp32_grad_for_param(value, param)
+        self._odc_offload_grad_written(param)
+
+    def set_local_grad_for_param(self, value, param):
+        super().set_local_grad_for_param(value, param)
+        self._odc_offload_grad_written(param)
 
     def _odc_point_averaged_gradients_at_accumulator(self) -> None:
         """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""
@@ -251,7 +288,9 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise RuntimeError("ZeRO-3 asked for gradient norms outside an ODC step")
         norms = self._odc_norms.group_norms()
         sentinel = torch.tensor(-1.0, dtype=torch.float)
-        return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device) for n in norms]
+        # the dtype ZeRO-3's own norms have: its offload path computes them in fp32
+        dtype = torch.float32 if self.offload_optimizer else get_norm_dtype()
+        return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device, dtype) for n in norms]
 
     def has_overflow(self, partition_gradients=True):
         """Inside an ODC step: whether any rank's gradient is not finite (the norm round's result,

@@ -43,9 +43,9 @@ def shard_writes_after_initialize(stage):
     return out
 
 
-def gradient_reads_before_step(stage, counts):
+def gradient_reads_before_step(stage, counts, zero_options=None):
     """``counts[rank]`` micro-batches, then the gradient reads ZeRO-3 offers before the step."""
-    engine = _engine(stage)
+    engine = _engine(stage, **(zero_options or {}))
     for index in range(counts[tdist.get_rank()]):
         _backward(engine, 0, index)
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -54,10 +54,12 @@ def gradient_reads_before_step(stage, counts):
                            for g, group in engine.optimizer.get_fp32_grad_partitions().items()},
             "full": {n: safe_get_full_grad(params[n]).clone() for n in names},
             "local": {n: safe_get_local_grad(params[n]).clone() for n in names}}
-    engine.allreduce_gradients()  # called by the script, as DeepSpeed's own tests do
-    seen["averaged"] = [g.clone() for g in engine.optimizer.averaged_gradients[0]]
+    if not engine.optimizer.offload_optimizer:  # ZeRO-3 keeps no averaged_gradients under offload
+        engine.allreduce_gradients()  # called by the script, as DeepSpeed's own tests do
+        seen["averaged"] = [g.clone() for g in engine.optimizer.averaged_gradients[0]]
     engine.step()
     seen["norm"] = engine.get_global_grad_norm()
+    seen["offload"] = engine.optimizer.offload_optimizer
     seen["params"] = full_params(engine)
     engine.destroy()
     return seen

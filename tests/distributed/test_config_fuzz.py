@@ -206,8 +206,10 @@ def ds_configs(draw, private_shm_dir: str, forced: Tuple[str, ...]):
             zero[flag] = draw(st.booleans())
     for key in ("offload_param", "offload_optimizer"):
         if f"compat.{key}" in faults:
-            zero[key] = draw(st.sampled_from([{"device": "cpu"}, {"device": "nvme", "nvme_path": "/tmp"},
-                                              {"device": "cpu", "pin_memory": True}]))
+            refused = [{"device": "nvme", "nvme_path": "/tmp"}]  # optimizer offload to the host is supported
+            if key == "offload_param":
+                refused += [{"device": "cpu"}, {"device": "cpu", "pin_memory": True}]
+            zero[key] = draw(st.sampled_from(refused))
         elif draw(st.booleans()):
             zero[key] = draw(st.sampled_from([{"device": "none"}, "auto"]))
     if "ds.offload_not_dict" in faults:
@@ -353,7 +355,10 @@ def _zero3_unsupported(zero: dict, cfg: dict) -> Optional[Expectation]:
     def offload_on(value):
         return isinstance(value, dict) and value.get("device", "none") not in ("none", None)
 
-    in_use = (("offload_param", offload_on), ("offload_optimizer", offload_on),
+    def nvme(value):
+        return isinstance(value, dict) and value.get("device") == "nvme"
+
+    in_use = (("offload_param", offload_on), ("offload_optimizer", nvme),
               ("zero_hpz_partition_size", lambda v: v not in (None, 1)), ("zero_quantized_weights", bool),
               ("zero_quantized_nontrainable_weights", bool), ("mics_shard_size", lambda v: v not in (None, -1, 0)))
     for key, used in in_use:

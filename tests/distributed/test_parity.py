@@ -35,8 +35,9 @@ def _assert_steps_equal(odc, zero3, grad_tol, param_tol, label):
     (2, 2, {"optimizer": "adamw", "scheduler": True, "clip": 0.02}),  # clipping engaged, LR schedule
     (2, 2, {"optimizer": "client"}),  # a torch optimizer passed to initialize, two param groups
     (2, 2, {"zero_init": True}),  # model built under deepspeed.zero.Init
+    (2, 2, {"optimizer": "adam", "offload_optimizer": {"device": "cpu", "pin_memory": True}}),  # both stages offload
 ], ids=["w2-gas1-adam", "w2-gas3-sgd", "w4-gas3-adam", "w4-gas1-sgd", "w2-adamw-sched-clip", "w2-client-2groups",
-        "w2-zero-init"])
+        "w2-zero-init", "w2-offload-optimizer"])
 def test_fp32_parity_with_zero3(world, gas, options):
     """Each case runs three engines on the same ranks: ODC with exact (fp64) owner sums, ODC with the
     default fp32 accumulators, and ZeRO-3. With exact sums the only difference left is ZeRO-3's own

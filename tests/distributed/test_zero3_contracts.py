@@ -27,6 +27,23 @@ def test_gradient_reads_between_backward_and_step_equal_zero3():
         assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)  # summation order differs (pushes vs reduce-scatter)
 
 
+def test_optimizer_offload_steps_as_zero3_offload_and_reads_as_on_device():
+    """``offload_optimizer: cpu``: the step (on the host fp32 copy) equals ZeRO-3's with the same
+    offload. Gradient reads before the step equal ODC's on-device ones; ZeRO-3's own reads under
+    offload see nothing until its boundary copy (zeros here, with unmanaged accumulation), which
+    ODC does not reproduce."""
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    zero3 = run_ranks(contracts.gradient_reads_before_step, 2, 3, (2, 2), offload)
+    odc = run_ranks(contracts.gradient_reads_before_step, 2, "odc", (2, 2), offload)
+    on_device = run_ranks(contracts.gradient_reads_before_step, 2, "odc", (2, 2))
+    for rank in range(2):
+        assert odc[rank]["offload"] and zero3[rank]["offload"] and not on_device[rank]["offload"]
+        for key in ("partitions", "full", "local"):
+            assert_close_nested(odc[rank][key], on_device[rank][key], rtol=1e-6, atol=1e-7, path=key)
+        for key in ("norm", "params"):
+            assert_close_nested(odc[rank][key], zero3[rank][key], rtol=1e-5, atol=1e-6, path=key)
+
+
 def test_gradient_reads_with_different_micro_batch_counts_see_every_rank():
     """Ranks ran 3 and 0 micro-batches (ZeRO-3 cannot): every read is the sum over all of them,
     divided by the world size (ZeRO-3's partition arithmetic), from a single process."""

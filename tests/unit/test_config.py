@@ -36,7 +36,7 @@ def test_bad_options_name_the_field(options, field):
 
 
 @pytest.mark.parametrize("zero,field", [
-    ({"offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "zero_optimization.offload_optimizer"),
     ({"zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size"),
     ({"mics_shard_size": 2}, "zero_optimization.mics_shard_size"),
 ])
