@@ -252,6 +252,13 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         super().set_local_grad_for_param(value, param)
         self._odc_offload_grad_written(param)
 
+    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
+        """ZeRO-3's (``safe_update_full_grad_vectorized``), after a gradient fence."""
+        self._odc_fence_for_read("safe_update_full_grad_vectorized")
+        super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+        for param in param_list:
+            self._odc_offload_grad_written(param)
+
     def _odc_point_averaged_gradients_at_accumulator(self) -> None:
         """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""
         views = getattr(self, _GRAD_PARTITIONS)
