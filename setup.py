@@ -1,4 +1,5 @@
 import os
+import shutil
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -12,8 +13,16 @@ HF_PINS = ["transformers==5.23.0", "accelerate==1.15.0"]  # the releases ds_odc/
 BENCH = ["matplotlib==3.10.7", "tqdm"]  # timeline plots (ds_odc.metrics.plot_timelines) and benchmark progress
 
 
+# The operators' C++/CUDA sources live in ops/csrc (beside the package, as DeepSpeed keeps csrc/); an
+# installed package must carry them, or a wheel install could never JIT-build its ops. They are copied
+# to ds_odc/ops/csrc in the build, where ds_odc/ops_builder.py looks first (the checkout's ops/ second).
+OPS_SOURCES = ("ops/csrc", ("odc_atomics.cpp", "odc_kernels.cu", "odc_kernels.h", "odc_ops.cpp"))
+OPS_IN_PACKAGE = os.path.join("ds_odc", "ops", "csrc")
+
+
 class BuildPyWithAutoload(build_py):
-    """Regular installs and wheels: the .pth goes to the root of the build (site-packages)."""
+    """Regular installs and wheels: the .pth goes to the root of the build (site-packages), and the
+    operators' sources into the package (ds_odc/ops/csrc)."""
 
     def run(self):
         super().run()
@@ -21,10 +30,21 @@ class BuildPyWithAutoload(build_py):
         target = os.path.join(self.build_lib, name)
         with open(target, "w") as pth:
             pth.write(content)
-        self.outputs_with_pth = [target]
+        self.extra_outputs = [target] + self._copy_op_sources()
+
+    def _copy_op_sources(self):
+        source_dir, names = OPS_SOURCES
+        target_dir = os.path.join(self.build_lib, OPS_IN_PACKAGE)
+        os.makedirs(target_dir, exist_ok=True)
+        copied = []
+        for name in names:
+            target = os.path.join(target_dir, name)
+            shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), source_dir, name), target)
+            copied.append(target)
+        return copied
 
     def get_outputs(self, *args, **kwargs):
-        return super().get_outputs(*args, **kwargs) + getattr(self, "outputs_with_pth", [])
+        return super().get_outputs(*args, **kwargs) + getattr(self, "extra_outputs", [])
 
 
 class EditableWheelWithAutoload(editable_wheel):

@@ -14,6 +14,10 @@ and an unchanged one is loaded in a fraction of a second. Concurrent ranks build
 serialised by torch's lock file in that directory; a lock file older than the operator's longest
 plausible build was left by a build that was killed, and is removed (torch would wait on it forever).
 
+Where the sources are (:func:`find_ops_dir`): an installed package carries them in ``ds_odc/ops/csrc``
+(``setup.py`` copies them there when it builds a wheel), a checkout or an editable install has them in
+the repository's ``ops/csrc``. ``python -m ds_odc report`` names the directory it found.
+
 Nothing here runs at ``import ds_odc``: importing never needs nvcc, CUDA or ninja. Where to cache:
 ``TORCH_EXTENSIONS_DIR`` (torch's own setting) or ``~/.cache/torch_extensions``, under ``ds_odc/``.
 """
@@ -29,7 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
-OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
+def find_ops_dir() -> Path:
+    """The directory holding ``csrc/`` with the operators' sources: ``<package>/ops`` in an installed
+    wheel, ``<repository>/ops`` in a checkout (or an editable install of one). When neither has them
+    (a broken install), the installed location, so that :func:`why_not_buildable` names it."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "ops", package.parent / "ops"):
+        if (candidate / "csrc").is_dir():
+            return candidate
+    return package / "ops"
+
+
+OPS_DIR = find_ops_dir()
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,7 @@ def why_not_buildable(spec: OpSpec) -> str:
 
     missing = [str(p) for p in spec.source_paths() if not p.exists()]
     if missing:
-        return f"sources missing: {', '.join(missing)} (a wheel without ops/? reinstall from the repository)"
+        return f"sources missing: {', '.join(missing)} (a wheel without ds_odc/ops/csrc? reinstall from the repository)"
     if spec.needs_cuda:
         if torch.version.cuda is None:
             return f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
@@ -118,7 +133,8 @@ def op_status() -> List[dict]:
     """State of every operator, for ``python -m ds_odc report``; never builds anything.
 
     Each entry: ``name``; ``built`` (compiled for these sources and this torch, or loaded in this
-    process); ``buildable`` (it could be compiled here now); ``reason`` (why not buildable, else "").
+    process); ``buildable`` (it could be compiled here now); ``reason`` (why not buildable, else "");
+    ``sources`` (the directory its sources are read from, see :func:`find_ops_dir`).
     """
     status = []
     for spec in OPS:
@@ -127,7 +143,8 @@ def op_status() -> List[dict]:
             built = spec.name in _loaded or _library_path(spec).exists()
         except Exception as err:  # noqa: BLE001 - a report must not fail on a broken cache path
             built, reason = False, reason or f"cannot inspect the build cache: {err}"
-        status.append({"name": spec.name, "built": bool(built), "buildable": not reason, "reason": reason})
+        status.append({"name": spec.name, "built": bool(built), "buildable": not reason, "reason": reason,
+                       "sources": str(spec.source_paths()[0].parent)})
     return status
 
 

@@ -106,7 +106,7 @@ def control_plane() -> Dict[str, Tuple[bool, str]]:
 
 
 def ops() -> List[dict]:
-    """One dict per compiled operator (name, built, buildable, reason); empty when there are none."""
+    """One dict per compiled operator (name, built, buildable, reason, sources); empty when there are none."""
     try:
         from ds_odc.ops_builder import op_status
     except ImportError:
@@ -156,6 +156,8 @@ def render(data: dict) -> str:
             state = "built" if op["built"] else ("buildable (JIT-built with ninja on first use)"
                                                  if op["buildable"] else f"not buildable: {op['reason']}")
             rows.append((op["name"], f"{GOOD if op['built'] or op['buildable'] else BAD} {state}"))
+        if "sources" in op_rows[0]:
+            rows.append(("operator sources", op_rows[0]["sources"]))
     lines += _rows("compiled operators (nothing is built by this report)", rows)
     return "\n".join(lines)
 

@@ -19,6 +19,8 @@ from ds_odc.config import parse_options
 from ds_odc.errors import ODCConfigError
 from ds_odc.ops_builder import ATOMICS, CUDA_IPC, build_directory, load_op, op_status
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 FIELD = "zero_optimization.odc.transport"
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -73,7 +75,10 @@ def test_op_status_shape():
     status = op_status()
     assert [s["name"] for s in status] == [ATOMICS.name, CUDA_IPC.name]
     for entry in status:
-        assert set(entry) == {"name", "built", "buildable", "reason"}
+        assert set(entry) == {"name", "built", "buildable", "reason", "sources"}
+        # from the checkout (an editable install): the repository's ops/csrc; an installed wheel's
+        # own copy is checked by tests/distributed/test_wheel_install.py
+        assert entry["sources"] == os.path.join(ROOT, "ops", "csrc")
         assert isinstance(entry["built"], bool) and isinstance(entry["buildable"], bool)
         assert entry["buildable"] == (entry["reason"] == "")
 
