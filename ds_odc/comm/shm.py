@@ -12,6 +12,8 @@ block and a lock file (liveness, accumulator stripes), all created, reserved and
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ds_odc.comm.control import ControlPlane, State
@@ -82,19 +84,31 @@ class ShmTransport(Transport):
 
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         accumulator = self._grad_windows[owner]
-        locks = self._locks[owner]
         grad = grad.reshape(-1)
         done, total = 0, grad.numel()
         while done < total:
             position = offset + done
             stripe = position // self.stripe_numel
             count = min(total - done, (stripe + 1) * self.stripe_numel - position)
-            locks.acquire(stripe)
-            try:
+            with self.push_guard(owner, position, count):
                 accumulator.narrow(0, position, count).add_(grad.narrow(0, done, count))
-            finally:
-                locks.release(stripe)
             done += count
+
+    @contextlib.contextmanager
+    def push_guard(self, owner: int, offset: int, numel: int):
+        """The stripe locks of ``owner``'s accumulator covering the range, taken in stripe order (so two
+        guards over overlapping ranges cannot deadlock) and released in reverse."""
+        locks = self._locks[owner]
+        stripes = range(offset // self.stripe_numel, (offset + max(numel, 1) - 1) // self.stripe_numel + 1)
+        taken = []
+        try:
+            for stripe in stripes:
+                locks.acquire(stripe)
+                taken.append(stripe)
+            yield
+        finally:
+            for stripe in reversed(taken):
+                locks.release(stripe)
 
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -17,6 +17,7 @@ engine, at initialisation, and may use collectives; nothing after it does.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +74,15 @@ class Transport(abc.ABC):
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         """Add ``grad`` (any float dtype) into ``owner``'s accumulator at ``offset``, in fp32.
         Returns once the addition is complete and visible to the owner after the next fence."""
+
+    def push_guard(self, owner: int, offset: int, numel: int) -> contextlib.AbstractContextManager:
+        """What a push into ``owner``'s accumulator over ``[offset, offset + numel)`` holds while it adds
+        (a context manager). ``accumulate`` takes it, and fault injection takes it too, so that a rank
+        can be stopped or killed exactly where a pusher is most dangerous to its peers: the contract is
+        that a holder that dies never blocks another rank's push for long (the shm transport's stripe
+        locks are released by the kernel), and one that is merely stopped makes peers' pushes time out
+        naming the owner. Transports whose pushes hold nothing (atomic adds) keep this default."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def close(self) -> None:

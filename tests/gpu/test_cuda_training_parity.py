@@ -9,7 +9,8 @@ import torch
 from tests.distributed.compare import worst_rel_diff
 from tests.distributed.harness import run_ranks
 from tests.distributed.workloads import reference_training
-from tests.gpu.cuda_workloads import gpu_env, train_schedule
+from tests.distributed.transports import gpu_env
+from tests.gpu.cuda_workloads import train_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
