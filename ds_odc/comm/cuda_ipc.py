@@ -19,6 +19,8 @@ shared memory, and dead, failed or stuck peers are detected there exactly as on 
   of backward, while ZeRO-3's own stream ordering keeps its gradient bucket from being refilled
   before the kernel has read it. The gradient's memory is kept from reuse by the allocator until
   then too (``record_stream``).
+* **batched** (``read_many`` / ``accumulate_many``): the same copies and kernels, issued together,
+  with a handle whose ``wait()`` orders the caller's stream after them (one event, no host block).
 * **step** = every :meth:`exchange` first synchronises this rank's device (all its pulls and
   pushes complete, its own writes to its windows done), then runs the host rendezvous. After the
   fence round every push of every rank has completed, so each owner's accumulator holds the sum.
@@ -30,10 +32,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.control import ControlPlane, State, W_UNMAPPED
 from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
@@ -189,6 +193,36 @@ class CudaIpcTransport(Transport):
             self._ops.scatter_add(target, grad, plan.head, plan.groups, plan.vector_loads, plan.blocks, plan.threads)
         grad.record_stream(torch.cuda.current_stream(self.device))  # not reused before the kernel read it
 
+    def read_many(self, reads: Sequence[Transfer]) -> Completion:
+        """Every copy back to back on the pull stream (which first waits for the caller's stream), and
+        one event after the last: the handle's ``wait()`` makes the caller's current stream wait for it,
+        so the host never blocks and a prefetch overlaps compute until the module needs its parameters.
+        Today that is one ``cudaMemcpyAsync`` per owner per parameter (copy engines, no SM); the intent
+        is one launch per module (a batched memcpy, ``cudaMemcpyBatchAsync`` on CUDA >= 12.8, or a
+        multi-range copy kernel), to be measured against this on a GPU (docs/gpu.md)."""
+        current = torch.cuda.current_stream(self.device)
+        self._pull_stream.wait_stream(current)
+        with torch.cuda.stream(self._pull_stream):
+            for transfer in reads:
+                out = transfer.tensor
+                self._check_device(out, "the pull destination")
+                out.copy_(self._param_windows[transfer.owner].narrow(0, transfer.offset, out.numel()).view(out.shape))
+                out.record_stream(self._pull_stream)  # allocated on the caller's stream, written on ours
+            done = torch.cuda.Event()
+            done.record(self._pull_stream)
+        return _StreamCompletion(done, self.device)
+
+    def accumulate_many(self, pushes: Sequence[Transfer]) -> Completion:
+        """Every push on the caller's stream, as :meth:`accumulate`, and one event after the last.
+        Today one ``scatter_add`` launch per owner per parameter; the intent is one launch per module
+        (the kernel taking a device array of (destination, source, count) ranges), owed with its GPU
+        validation (docs/gpu.md)."""
+        for transfer in pushes:
+            self.accumulate(transfer.owner, transfer.offset, transfer.tensor)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return _StreamCompletion(done, self.device)
+
     def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         torch.cuda.synchronize(self.device)  # this rank's pushes, pulls and window writes have completed
         return super().exchange(kind, step, values, what)
@@ -231,6 +265,21 @@ class CudaIpcTransport(Transport):
                 break
             time.sleep(1e-3)
         return not pending
+
+
+class _StreamCompletion(Completion):
+    """A batched transfer queued on a CUDA stream: ``wait()`` orders the caller's current stream after
+    it (no host block), as ``torch.distributed``'s ``Work.wait()`` does for NCCL."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device):
+        self._event = event
+        self._device = device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._event.query()
 
 
 def _nbytes(spec: WindowSpec) -> tuple:

@@ -8,14 +8,19 @@ block and a lock file (liveness, accumulator stripes), all created, reserved and
 * push  = for each stripe touched: lock, ``peer_acc[a:b].add_(grad)``, unlock. A gradient in
   another dtype (bf16) is converted one stripe at a time: staging is at most one stripe. The
   lock and unlock are system calls, so the adds are ordered before the pusher's next fence round;
+* batched (``read_many`` / ``accumulate_many``): the same copies and adds, done in one loop when
+  called, with each accumulator stripe locked once per batch for every piece that falls into it;
 * step  = typed rounds over the control blocks (:mod:`ds_odc.comm.rendezvous`).
 """
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
+from typing import Sequence
 
 import torch
 
+from ds_odc.comm.batch import COMPLETED, Completion, Transfer
 from ds_odc.comm.control import ControlPlane, State
 from ds_odc.comm.rendezvous import Rendezvous
 from ds_odc.comm.segments import map_segment
@@ -82,17 +87,35 @@ class ShmTransport(Transport):
     def read(self, owner: int, offset: int, out: torch.Tensor) -> None:
         out.copy_(self._param_windows[owner].narrow(0, offset, out.numel()))
 
+    def read_many(self, reads: Sequence[Transfer]) -> Completion:
+        """Every copy in one loop, without per-read dispatch; the copies are done when it returns."""
+        windows = self._param_windows
+        for transfer in reads:
+            out = transfer.tensor
+            out.copy_(windows[transfer.owner].narrow(0, transfer.offset, out.numel()).view(out.shape))
+        return COMPLETED
+
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         accumulator = self._grad_windows[owner]
         grad = grad.reshape(-1)
-        done, total = 0, grad.numel()
-        while done < total:
-            position = offset + done
-            stripe = position // self.stripe_numel
-            count = min(total - done, (stripe + 1) * self.stripe_numel - position)
+        for position, done, count in self._stripe_pieces(offset, grad.numel()):
             with self.push_guard(owner, position, count):
                 accumulator.narrow(0, position, count).add_(grad.narrow(0, done, count))
-            done += count
+
+    def accumulate_many(self, pushes: Sequence[Transfer]) -> Completion:
+        """Each stripe of each owner is locked once for all the pieces that fall into it (one lock and
+        one unlock system call per stripe touched, instead of per piece), in stripe order."""
+        pieces = defaultdict(list)  # (owner, stripe) -> [(position, source piece)]
+        for transfer in pushes:
+            grad = transfer.tensor.reshape(-1)
+            for position, done, count in self._stripe_pieces(transfer.offset, grad.numel()):
+                pieces[(transfer.owner, position // self.stripe_numel)].append((position, grad.narrow(0, done, count)))
+        for (owner, stripe), adds in sorted(pieces.items(), key=lambda item: item[0]):
+            accumulator = self._grad_windows[owner]
+            with self.push_guard(owner, stripe * self.stripe_numel, 1):
+                for position, piece in adds:
+                    accumulator.narrow(0, position, piece.numel()).add_(piece)
+        return COMPLETED
 
     @contextlib.contextmanager
     def push_guard(self, owner: int, offset: int, numel: int):
@@ -109,6 +132,20 @@ class ShmTransport(Transport):
         finally:
             for stripe in reversed(taken):
                 locks.release(stripe)
+
+    def _stripe_pieces(self, offset: int, numel: int):
+        """``(position, offset into the source, count)`` of a range split on stripe boundaries.
+
+        >>> ShmTransport(0, 1, 1.0, stripe_numel=4)._stripe_pieces(3, 6)
+        [(3, 0, 1), (4, 1, 4), (8, 5, 1)]
+        """
+        pieces, done = [], 0
+        while done < numel:
+            position = offset + done
+            count = min(numel - done, (position // self.stripe_numel + 1) * self.stripe_numel - position)
+            pieces.append((position, done, count))
+            done += count
+        return pieces
 
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:

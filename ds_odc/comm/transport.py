@@ -12,17 +12,20 @@ The runtime sees only this interface. A transport owns, for every rank of the da
   at its next round.
 
 Allocation is separate from transfer (as in FSDP2's ``Comm``): :meth:`allocate` runs once per
-engine, at initialisation, and may use collectives; nothing after it does.
+engine, at initialisation, and may use collectives; nothing after it does. Transfers come one at a
+time (:meth:`read`, :meth:`accumulate`) or batched with a completion handle (:meth:`read_many`,
+:meth:`accumulate_many`, :mod:`ds_odc.comm.batch`).
 """
 from __future__ import annotations
 
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from ds_odc.comm.batch import COMPLETED, Completion, Transfer
 from ds_odc.comm.control import Activity, ControlPlane, FailureRecord, State
 from ds_odc.comm.rendezvous import Rendezvous, RoundKind
 
@@ -74,6 +77,23 @@ class Transport(abc.ABC):
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         """Add ``grad`` (any float dtype) into ``owner``'s accumulator at ``offset``, in fp32.
         Returns once the addition is complete and visible to the owner after the next fence."""
+
+    def read_many(self, reads: Sequence[Transfer]) -> Completion:
+        """:meth:`read` of every :class:`~ds_odc.comm.batch.Transfer` in ``reads`` (several owners and
+        parameters, e.g. all shards of a module) in one call; the destinations are valid after the
+        returned handle's ``wait()``. This default reads one by one and completes eagerly; transports
+        override it to do the batch in one pass or one launch."""
+        for transfer in reads:
+            self.read(transfer.owner, transfer.offset, transfer.tensor)
+        return COMPLETED
+
+    def accumulate_many(self, pushes: Sequence[Transfer]) -> Completion:
+        """:meth:`accumulate` of every transfer in ``pushes`` in one call, with the same guarantees
+        (added exactly once, visible to the owner after the next fence); the sources may be reused
+        after the handle's ``wait()``. This default adds one by one and completes eagerly."""
+        for transfer in pushes:
+            self.accumulate(transfer.owner, transfer.offset, transfer.tensor)
+        return COMPLETED
 
     def push_guard(self, owner: int, offset: int, numel: int) -> contextlib.AbstractContextManager:
         """What a push into ``owner``'s accumulator over ``[offset, offset + numel)`` holds while it adds

@@ -86,8 +86,10 @@ def _arm_in_engine(injector, engine) -> None:
         engine.module.blocks[0].register_forward_pre_hook(lambda *unused: injector.maybe_fire())
     elif phase == "pull":
         injector.wrap(transport, "read")
+        injector.wrap(transport, "read_many")  # ZeRO-3's gathers pull a module's parameters in one batch
     elif phase == "push":
         injector.wrap(transport, "accumulate")
+        injector.wrap(transport, "accumulate_many")
     elif phase in _ROUNDS:
         injector.wrap(transport, "exchange", lambda kind, *a, **k: kind == _ROUNDS[phase])
     elif phase == "save":

@@ -20,17 +20,20 @@ def test_reads_of_every_dtype_and_offset_see_owner_windows_and_exchange_returns_
         assert result["kinds"] == sorted((name, CASES[name].device_type, str(d)) for d in PULL_DTYPES)
         assert result["rows"] == [[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]
         assert result["rounds"] == [3 * i for i in range(5)]
-        assert len(result["seen"]) == len(PULL_DTYPES) * world * len(PULL_OFFSETS) * len(PULL_LENGTHS)
-        for (dtype, owner, offset, length), values in result["seen"].items():
+        # every read twice: one at a time, then all of them in one read_many
+        assert len(result["seen"]) == 2 * len(PULL_DTYPES) * world * len(PULL_OFFSETS) * len(PULL_LENGTHS)
+        for key, values in result["seen"].items():
+            dtype, owner, offset, length = key[-4:]
             window = windows[getattr(torch, dtype.split(".")[1])][owner]
             assert torch.equal(values, window[offset:offset + length]), (dtype, owner, offset, length)
 
 
+@pytest.mark.parametrize("batch", [1, 7], ids=["one-by-one", "accumulate_many"])
 @pytest.mark.parametrize("accumulator", ["fp32", "fp64"])
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_concurrent_pushes_into_one_owner_are_exact_sums(name, accumulator):
+def test_concurrent_pushes_into_one_owner_are_exact_sums(name, accumulator, batch):
     world = 4
-    results = run_ranks(concurrent_accumulate, world, name, accumulator, env=rank_env(name, world))
+    results = run_ranks(concurrent_accumulate, world, name, accumulator, 200, batch, env=rank_env(name, world))
     for owner, (actual, expected) in enumerate(zip(results, expected_accumulation(world))):
         assert actual.dtype == {"fp32": torch.float32, "fp64": torch.float64}[accumulator]
         # adds in arrival order: equal up to rounding, never a lost update (those are O(1))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.comm import WindowSpec, create_transport
+from ds_odc.comm.batch import Transfer
 from ds_odc.comm.rendezvous import RoundKind
 from tests.distributed.transports import CASES
 
@@ -48,12 +49,19 @@ def reads_and_exchanges(name):
         kinds.add((transport.name, window.device.type, str(window.dtype)))
         window.copy_(window_values(window.numel(), dtype, rank).to(window.device))
         rows = transport.exchange(RoundKind.TEST, 0, torch.tensor([float(rank), 1.0]), "a test rendezvous")
+        batch = []
         for owner in range(world):
             for offset in PULL_OFFSETS:
                 for length in PULL_LENGTHS:
                     out = torch.empty(length, dtype=dtype, device=window.device)
                     transport.read(owner, offset, out)
                     seen[(str(dtype), owner, offset, length)] = out.cpu()  # used on the caller's stream at once
+                    batch.append(Transfer(owner, offset, torch.full((length,), -1.0, dtype=dtype, device=window.device)))
+        handle = transport.read_many(batch)  # the same reads, in one call
+        handle.wait()
+        assert handle.is_completed() or window.device.type == "cuda"  # a stream may still be copying
+        for transfer in batch:
+            seen[("batched", str(dtype), transfer.owner, transfer.offset, transfer.tensor.numel())] = transfer.tensor.cpu()
         rounds = [transport.exchange(RoundKind.TEST, 0, torch.tensor([float(i)]), "round").sum().item()
                   for i in range(5)]
         transport.close()
@@ -70,14 +78,24 @@ def _random_pushes(rank, world, numel, repeats):
         yield owner, offset, chunk
 
 
-def concurrent_accumulate(name, accumulator="fp32", repeats=200):
-    """All ranks add random chunks into every owner at once; each returns its accumulator."""
+def concurrent_accumulate(name, accumulator="fp32", repeats=200, batch=1):
+    """All ranks add random chunks into every owner at once; each returns its accumulator. ``batch``
+    > 1: the same pushes, ``batch`` at a time through ``accumulate_many`` (several owners each)."""
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[accumulator]
     transport = _transport(name, grad_dtype=dtype)
     numel = transport.local_grad_accumulator().numel()
     device = transport.local_grad_accumulator().device
+    pending = []
     for owner, offset, chunk in _random_pushes(transport.rank, transport.world_size, numel, repeats):
-        transport.accumulate(owner, offset, chunk.to(device))
+        if batch == 1:
+            transport.accumulate(owner, offset, chunk.to(device))
+            continue
+        pending.append(Transfer(owner, offset, chunk.to(device)))
+        if len(pending) == batch:
+            transport.accumulate_many(pending).wait()
+            pending = []
+    if pending:
+        transport.accumulate_many(pending).wait()
     transport.exchange(RoundKind.TEST, 0, torch.zeros(1), "fence")
     mine = transport.local_grad_accumulator().cpu().clone()
     transport.close()

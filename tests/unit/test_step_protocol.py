@@ -418,3 +418,44 @@ def test_a_step_right_after_a_discard_with_no_micro_batch_anywhere_uses_the_old_
     fresh = LoopbackGroup(2).run(lambda rank, transport: rank_fn(rank, transport, again=True))
     assert [v for _, v in stale] == [pytest.approx((16 * 2.0**2) ** 0.5)] * 2  # (2 + 2) / 2 per element
     assert [v for _, v in fresh] == [pytest.approx((16 * 3.0**2) ** 0.5)] * 2  # 6 / 2, rank 1's only
+
+
+def test_pull_many_reads_every_owner_slice_in_one_transport_call():
+    group = LoopbackGroup(1, param_numel=64)
+    transport = group.transport(0)
+    layout = WindowLayout()
+    for key, numel in enumerate((5, 16, 1, 31)):  # odd sizes, packed one after another in the window
+        layout.add_trainable(key, numel, numel)
+    runtime = ODCRuntime(transport, layout, MicroBatchLedger())
+    transport.local_param_window().copy_(torch.arange(64, dtype=torch.float32))
+    calls = []
+    original = transport.read_many
+    transport.read_many = lambda reads: calls.append(len(reads)) or original(reads)
+    outs = [torch.full((layout.slots[k].numel,), -1.0) for k in (3, 0, 1)]
+    runtime.pull_many([3, 0, 1], outs).wait()
+    assert calls == [3] and runtime.pulls == 3
+    for key, out in zip((3, 0, 1), outs):
+        expected = torch.empty(layout.slots[key].numel)
+        runtime.pull(key, expected)
+        assert torch.equal(out, expected), key
+    with pytest.raises(ValueError, match="2 keys but 1 destinations"):
+        runtime.pull_many([0, 1], outs[:1])
+
+
+def test_a_failed_batched_pull_can_be_retried():
+    group = LoopbackGroup(1)
+    transport = group.transport(0)
+    runtime = runtime_for(transport)
+    original, calls = transport.read_many, []
+
+    def flaky(reads):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("transient read failure")
+        return original(reads)
+
+    transport.read_many = flaky
+    with pytest.raises(OSError):
+        runtime.pull_many([0], [torch.empty(16)])
+    runtime.pull_many([0], [torch.empty(16)]).wait()
+    assert runtime.phase is Phase.IDLE
