@@ -201,7 +201,7 @@ def _plan_utilisation(plans, collective):
 
 
 def _per_micro_batch(results):
-    """Median communication and fixed costs of this cell, for the simulator (``ds_odc.sim``)."""
+    """Median communication and fixed costs of this cell, for the simulator (``benchmarks.sim``)."""
     steps = list(zip(*(r["reports"] for r in results)))
 
     def least(group, field):  # the rank that waited least: closest to the transfer cost alone

@@ -7,10 +7,10 @@
    communication constants fitted on this machine, from the same file) and compared with its
    measured step time: median relative error per run and overall, and predicted vs measured
    speedup over ZeRO-3 + LB-Micro. A second prediction refits compute and each engine's fixed
-   costs on every *other* cell's runs (ds_odc/sim/calibrate.py), so its error is a held-out error;
+   costs on every *other* cell's runs (benchmarks/sim/calibrate.py), so its error is a held-out error;
    runs the simulator cannot tell apart give the measurement's own noise floor.
 2. On the paper's golden setting (1.5B, LongAlign-like lengths, token cap 64K; every assumption is
-   in ds_odc/sim/presets.py) it projects collective + LB-Micro, ODC + LB-Micro and ODC + LB-Mini for
+   in benchmarks/sim/presets.py) it projects collective + LB-Micro, ODC + LB-Micro and ODC + LB-Mini for
    8/16/32/64 ranks and 1/2/4/8 samples per rank, next to the paper's numbers. Each cell averages
    the same sampled minibatches for all three, so the speedups compare like with like.
 """
@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from ds_odc.balance import CostModel  # noqa: E402
 from ds_odc.errors import ODCError  # noqa: E402
-from ds_odc.sim import MEASURED_COMM_KEYS, measured_preset, project, replay_run  # noqa: E402
-from ds_odc.sim.calibrate import calibrate, held_out_errors  # noqa: E402
+from benchmarks.sim import MEASURED_COMM_KEYS, measured_preset, project, replay_run  # noqa: E402
+from benchmarks.sim.calibrate import calibrate, held_out_errors  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "results", "balance_matrix.json")
 DEFAULT_OUT = os.path.join(HERE, "results", "sim_projection.md")
@@ -101,7 +101,7 @@ def validation_section(path: str) -> tuple[list[str], dict]:
              "(shared) and each engine's cost per micro-batch and per step to the measured steps of every *other* "
              "(workload, samples per rank) cell, so no prediction has seen the cell it predicts: its error tests "
              "the simulator's structure (collectives pay Σ_m max_rank, ODC max_rank Σ_m), not the day's cost fit "
-             "(ds_odc/sim/calibrate.py). Fitted on all runs: " + _calibration_text(fitted) + ".", "",
+             "(benchmarks/sim/calibrate.py). Fitted on all runs: " + _calibration_text(fitted) + ".", "",
              "| workload | b | engine | policy | steps | measured s (median) | predicted s, as given | "
              "error, as given | predicted s, calibrated | error, calibrated |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -189,7 +189,7 @@ def projection_section(ranks: list[int], samples: list[int], steps: int, seed: i
              "nodes 80 GB/s collective, 20 GB/s point-to-point), prefetch one layer ahead. Speedup = "
              "throughput over collective + LB-Micro − 1 on the same minibatches; \"bound\" is the same with "
              f"free communication and no fixed costs. {steps} sampled minibatches per cell; all assumptions are "
-             "in `ds_odc/sim/presets.py`.", "",
+             "in `benchmarks/sim/presets.py`.", "",
              "| ranks | b | collective + LB-Micro step (s) | micro-batches (coll. / ODC LB-Mini) | ODC + LB-Micro | "
              "ODC + LB-Mini | bound LB-Micro / LB-Mini | paper |",
              "|---|---|---|---|---|---|---|---|"]

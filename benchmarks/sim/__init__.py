@@ -5,7 +5,7 @@ across all ranks) and under ODC (point-to-point pulls and pushes, one meeting pe
 Why a simulator: this machine has 2 CPU ranks, and what ODC buys grows with the number of ranks
 and with how well communication hides behind compute. The simulator takes the same plans the
 balancers produce and a small description of the hardware, and answers "how long would this step
-take on 8-64 ranks?", with every assumption in :mod:`ds_odc.sim.presets`. It is validated against
+take on 8-64 ranks?", with every assumption in :mod:`benchmarks.sim.presets`. It is validated against
 the measured 2-rank runs by ``benchmarks/sim_projection.py``.
 
 Modules: ``hardware`` (what a machine costs per layer and per step), ``timeline`` (the replay),
@@ -20,12 +20,12 @@ costs to measured steps).
 >>> odc.step_seconds >= plan.odc_step_cost()
 True
 """
-from ds_odc.sim.hardware import Hardware, Link, spread_over_peers
-from ds_odc.sim.presets import (GOLDEN_COST_MODEL, GOLDEN_SAMPLES_PER_RANK, GOLDEN_TOKEN_CAP, GOLDEN_WORLD_SIZE,
+from benchmarks.sim.hardware import Hardware, Link, spread_over_peers
+from benchmarks.sim.presets import (GOLDEN_COST_MODEL, GOLDEN_SAMPLES_PER_RANK, GOLDEN_TOKEN_CAP, GOLDEN_WORLD_SIZE,
                                 MEASURED_COMM_KEYS, golden_preset, longalign_like_lengths, measured_preset)
-from ds_odc.sim.projection import ENGINE_SCHEMES, PROJECTED, Projection, plan_from_record, project, replay_run
-from ds_odc.sim.timeline import SCHEMES, StepResult, simulate_step
-from ds_odc.sim.calibrate import Calibration, calibrate, held_out_errors  # uses the above
+from benchmarks.sim.projection import ENGINE_SCHEMES, PROJECTED, Projection, plan_from_record, project, replay_run
+from benchmarks.sim.timeline import SCHEMES, StepResult, simulate_step
+from benchmarks.sim.calibrate import Calibration, calibrate, held_out_errors  # uses the above
 
 __all__ = ["Calibration", "ENGINE_SCHEMES", "GOLDEN_COST_MODEL", "GOLDEN_SAMPLES_PER_RANK", "GOLDEN_TOKEN_CAP",
            "GOLDEN_WORLD_SIZE", "Hardware", "Link", "MEASURED_COMM_KEYS", "PROJECTED", "Projection", "SCHEMES",

@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 from ds_odc.balance import CostModel, Plan
 from ds_odc.balance.cost import nonnegative_least_squares
 from ds_odc.errors import ODCError
-from ds_odc.sim.hardware import Hardware
-from ds_odc.sim.projection import ENGINE_SCHEMES, plan_from_record
-from ds_odc.sim.timeline import simulate_step
+from benchmarks.sim.hardware import Hardware
+from benchmarks.sim.projection import ENGINE_SCHEMES, plan_from_record
+from benchmarks.sim.timeline import simulate_step
 
 
 @dataclasses.dataclass(frozen=True)

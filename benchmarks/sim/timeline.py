@@ -37,7 +37,7 @@ from typing import Sequence
 
 from ds_odc.balance import CostModel, Plan
 from ds_odc.errors import ODCError
-from ds_odc.sim.hardware import Hardware
+from benchmarks.sim.hardware import Hardware
 
 SCHEMES = ("collective", "odc")
 

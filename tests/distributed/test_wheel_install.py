@@ -65,11 +65,11 @@ def installed(tmp_path_factory):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_wheel_carries_the_operator_sources(installed):
+def test_wheel_carries_the_operator_sources_and_no_projection_tooling(installed):
     wheel, *_ = installed
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.rsplit("/", 1)[-1] for n in names if n.startswith("ds_odc/ops/csrc/")} == OP_SOURCES, names
-    assert not [n for n in names if n.startswith(("benchmarks/", "tests/"))], names
+    assert not [n for n in names if n.startswith(("ds_odc/sim/", "benchmarks/", "tests/"))], names
 
 
 def test_installed_package_reports_and_builds_from_its_own_sources(installed):

@@ -10,14 +10,14 @@ import random
 
 import pytest
 
-import ds_odc.sim
-import ds_odc.sim.hardware
-import ds_odc.sim.presets
-import ds_odc.sim.timeline
+import benchmarks.sim
+import benchmarks.sim.hardware
+import benchmarks.sim.presets
+import benchmarks.sim.timeline
 from ds_odc import ODCError
 from ds_odc.balance import CostModel, Plan, plan_minibatch
-from ds_odc.sim.calibrate import calibrate, held_out_errors
-from ds_odc.sim import (Hardware, golden_preset, longalign_like_lengths, measured_preset,
+from benchmarks.sim.calibrate import calibrate, held_out_errors
+from benchmarks.sim import (Hardware, golden_preset, longalign_like_lengths, measured_preset,
                         plan_from_record, project, simulate_step)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +43,7 @@ def plan_of(micro_batch_lengths):
 
 
 def test_docstring_examples():
-    for module in (ds_odc.sim, ds_odc.sim.hardware, ds_odc.sim.timeline, ds_odc.sim.presets):
+    for module in (benchmarks.sim, benchmarks.sim.hardware, benchmarks.sim.timeline, benchmarks.sim.presets):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 
