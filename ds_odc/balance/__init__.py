@@ -5,9 +5,10 @@
 [1000.0, 1000.0]
 """
 from ds_odc.balance.cost import CostModel, fit_cost_model, forward_backward_timer
+from ds_odc.balance.packing import PADDINGS
 from ds_odc.balance.partition import karmarkar_karp, refine
 from ds_odc.balance.planner import POLICIES, Plan, plan_minibatch
 from ds_odc.balance.sampler import BalancedBatchSampler
 
-__all__ = ["BalancedBatchSampler", "CostModel", "POLICIES", "Plan", "fit_cost_model", "forward_backward_timer",
-           "karmarkar_karp", "plan_minibatch", "refine"]
+__all__ = ["BalancedBatchSampler", "CostModel", "PADDINGS", "POLICIES", "Plan", "fit_cost_model",
+           "forward_backward_timer", "karmarkar_karp", "plan_minibatch", "refine"]

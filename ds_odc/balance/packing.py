@@ -8,17 +8,42 @@ ends.
 
 >>> pack([0, 1, 2, 3], lengths=[5, 4, 3, 2], costs=[5, 4, 3, 2], token_cap=7)
 [[0, 3], [1, 2]]
+
+That prices a micro-batch as *packed* samples (a flattening collator: tokens = Σ lengths). A padding
+collator (HF ``DataCollatorWithPadding``) pads every sample of a micro-batch to its longest one, so n
+samples of longest length L make ``n·L`` tokens and cost n times an L-long sample. Then the best
+micro-batches hold samples of similar length: :func:`pack_padded` sorts by length and cuts runs.
+
+>>> pack_padded([0, 1, 2, 3], lengths=[5, 4, 3, 2], token_cap=9)
+[[0], [1, 2], [3]]
+>>> micro_batch_tokens([4, 3], "padded"), micro_batch_tokens([4, 3], "padded", pad_to_multiple_of=8)
+(8, 16)
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+from ds_odc.balance.cost import CostModel
 from ds_odc.balance.partition import karmarkar_karp
 from ds_odc.errors import ODCError
 
+PADDINGS = ("packed", "padded")
 
-def check_lengths(lengths: Sequence[int], token_cap: int) -> None:
+
+def check_padding(padding: str, pad_to_multiple_of: int) -> None:
+    """Refuse a pricing that no collator produces, before any plan is priced with it. Rounding only
+    exists for padding collators, so a multiple other than 1 with packed samples is a mistake."""
+    if padding not in PADDINGS:
+        raise ODCError(f"unknown padding {padding!r}; choose one of {', '.join(PADDINGS)}")
+    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+        raise ODCError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+    if padding == "packed" and pad_to_multiple_of != 1:
+        raise ODCError(f"pad_to_multiple_of={pad_to_multiple_of} needs padding='padded': packed samples are not padded")
+
+
+def check_lengths(lengths: Sequence[int], token_cap: int, pad_to_multiple_of: int = 1) -> None:
+    """Every sample must fit a micro-batch on its own, after the collator rounds it up."""
     if token_cap < 1:
         raise ODCError(f"token_cap must be >= 1, got {token_cap}")
     for index, length in enumerate(lengths):
@@ -27,6 +52,34 @@ def check_lengths(lengths: Sequence[int], token_cap: int) -> None:
         if length > token_cap:
             raise ODCError(f"sample {index} has {length} tokens, more than token_cap={token_cap}: "
                            "raise the cap or truncate the sample")
+        rounded = padded_length(length, pad_to_multiple_of)
+        if rounded > token_cap:
+            raise ODCError(f"sample {index} has {length} tokens, {rounded} once padded to a multiple of "
+                           f"{pad_to_multiple_of}, more than token_cap={token_cap}: raise the cap, lower "
+                           "pad_to_multiple_of or truncate the sample")
+
+
+def padded_length(length: int, pad_to_multiple_of: int = 1) -> int:
+    """``length`` rounded up to the multiple, as the collator pads it (tensor-core friendly shapes)."""
+    return -(-length // pad_to_multiple_of) * pad_to_multiple_of
+
+
+def micro_batch_tokens(batch_lengths: Sequence[int], padding: str = "packed", pad_to_multiple_of: int = 1) -> int:
+    """Tokens the collator produces for one micro-batch: ``Σ s`` packed, ``n·L`` padded (L the longest,
+    rounded up). This is what the token cap bounds: it is what occupies activation memory."""
+    if padding == "packed":
+        return sum(batch_lengths)
+    return len(batch_lengths) * padded_length(max(batch_lengths, default=0), pad_to_multiple_of)
+
+
+def micro_batch_cost(batch_lengths: Sequence[int], model: CostModel, padding: str = "packed",
+                     pad_to_multiple_of: int = 1) -> float:
+    """``per_micro_batch + Σ sample_cost(s)`` packed; padded, every sample runs as an L-long row (the
+    padding is computed, then masked), so ``per_micro_batch + n·sample_cost(L)``."""
+    if padding == "packed":
+        return model.micro_batch_cost(batch_lengths)
+    longest = padded_length(max(batch_lengths, default=0), pad_to_multiple_of)
+    return model.per_micro_batch + len(batch_lengths) * model.sample_cost(longest)
 
 
 def minimal_micro_batches(samples: Sequence[int], lengths: Sequence[int], token_cap: int) -> int:
@@ -72,6 +125,49 @@ def sort_heaviest_first(batches: list[list[int]], costs: Sequence[float]) -> lis
     """Micro-batch i of every rank is then roughly the i-th heaviest, which is what aligning
     micro-batches across ranks (LB-Micro) relies on."""
     return sorted((sorted(batch) for batch in batches), key=lambda b: (-sum(costs[i] for i in b), b))
+
+
+def by_length(samples: Sequence[int], lengths: Sequence[int], order: Sequence[int] | None = None) -> list[int]:
+    """Longest first; equal lengths in ``order`` (the planner's seeded shuffle), else by index."""
+    position = {item: p for p, item in enumerate(order)} if order is not None else {}
+    return sorted(samples, key=lambda i: (-lengths[i], position.get(i, i)))
+
+
+def pack_padded(samples: Sequence[int], lengths: Sequence[int], token_cap: int, order: Sequence[int] | None = None,
+                pad_to_multiple_of: int = 1) -> list[list[int]]:
+    """Fewest padded micro-batches under the cap ``n·L <= cap``, as consecutive runs of the samples
+    sorted longest first (micro-batches in that order; each lists its samples longest first).
+
+    Why runs of sorted lengths: a micro-batch pays for its longest sample n times, so grouping
+    similar lengths wastes the least padding. Why greedy: the run starting at the longest remaining
+    sample may hold ``cap // L`` samples whatever else it holds, and filling it with the next-longest
+    ones only makes the rest shorter, so cutting a run exactly when the next sample would break the
+    cap gives the fewest micro-batches (an exchange argument). Every sample fits alone
+    (:func:`check_lengths`), so every run is non-empty."""
+    batches: list[list[int]] = []
+    limit = 0  # samples the current run may hold: cap // (its first, longest, rounded length)
+    for i in by_length(samples, lengths, order):
+        if not batches or len(batches[-1]) >= limit:
+            batches.append([])
+            limit = token_cap // padded_length(lengths[i], pad_to_multiple_of)
+        batches[-1].append(i)
+    return batches
+
+
+def split_largest_run(batches: list[list[int]]) -> None:
+    """Add one micro-batch by cutting the one with the most samples (the first such) into two runs:
+    its longest half and the rest, in place. Both parts keep ``n·L <= cap`` (fewer samples, no
+    longer ones) and stay runs of similar lengths. Needs a micro-batch with at least 2 samples."""
+    index = max(range(len(batches)), key=lambda m: (len(batches[m]), -m))
+    batch = batches[index]
+    assert len(batch) >= 2, "no micro-batch left to split: fewer samples than micro-batches asked for"
+    half = len(batch) // 2
+    batches[index:index + 1] = [batch[:half], batch[half:]]
+
+
+def sort_heaviest_first_by(batches: list[list[int]], cost) -> list[list[int]]:
+    """:func:`sort_heaviest_first` with any micro-batch price ``cost(batch)`` (padded pricing)."""
+    return sorted((sorted(batch) for batch in batches), key=lambda b: (-cost(b), b))
 
 
 def _fill_empty(batches: list[list[int]], costs: Sequence[float]) -> None:

@@ -14,6 +14,21 @@ communication: every rank plans the whole minibatch and keeps its own share):
 A :class:`Plan` also knows what a step costs under each communication scheme, from its cost model:
 a collective engine meets at every micro-batch, so its step is ``Σ_m max_rank cost(rank, m)``; ODC
 meets only at the step, so its step is ``max_rank Σ_m cost(rank, m)``.
+
+Micro-batches are priced the way the data collator builds them (``padding``):
+
+- ``packed`` (the default; a flattening collator, variable-length attention): ``Σ s`` tokens, cost
+  ``per_micro_batch + Σ sample_cost(s)``.
+- ``padded`` (HF ``DataCollatorWithPadding``): every sample is padded to the longest one, L (rounded
+  up to ``pad_to_multiple_of``), so ``n·L`` tokens and cost ``per_micro_batch + n·sample_cost(L)``.
+  Each rank then packs its samples as runs of similar lengths (:func:`~ds_odc.balance.packing.pack_padded`),
+  since mixing a long sample with short ones pays for the long one on every row.
+
+>>> plan = plan_minibatch([8, 7, 2, 2], world_size=1, token_cap=16, padding="padded")
+>>> plan.for_rank(0), plan.micro_batch_tokens(), plan.micro_batch_costs()
+([[0, 1], [2, 3]], [[16, 4]], [[16.0, 4.0]])
+>>> plan_minibatch([8, 7, 2, 2], world_size=1, token_cap=16).micro_batch_tokens()  # packed: balanced by cost
+[[10, 9]]
 """
 from __future__ import annotations
 
@@ -22,7 +37,9 @@ import random
 from typing import Sequence
 
 from ds_odc.balance.cost import CostModel
-from ds_odc.balance.packing import check_lengths, minimal_micro_batches, pack, split_into
+from ds_odc.balance.packing import (
+    check_lengths, check_padding, micro_batch_cost, micro_batch_tokens, minimal_micro_batches, pack, pack_padded,
+    padded_length, sort_heaviest_first_by, split_into, split_largest_run)
 from ds_odc.balance.partition import karmarkar_karp, refine
 from ds_odc.errors import ODCError
 
@@ -31,13 +48,19 @@ POLICIES = ("lb-mini", "lb-micro", "local-sort")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """``micro_batches[rank][m]`` lists the indices (into ``lengths``) of micro-batch m of ``rank``."""
+    """``micro_batches[rank][m]`` lists the indices (into ``lengths``) of micro-batch m of ``rank``;
+    ``padding`` and ``pad_to_multiple_of`` say how the collator builds (and so how to price) each one."""
 
     policy: str
     lengths: tuple[int, ...]
     token_cap: int
     cost_model: CostModel
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    padding: str = "packed"
+    pad_to_multiple_of: int = 1
+
+    def __post_init__(self):
+        check_padding(self.padding, self.pad_to_multiple_of)
 
     @property
     def world_size(self) -> int:
@@ -49,9 +72,14 @@ class Plan:
     def micro_batch_counts(self) -> list[int]:
         return [len(batches) for batches in self.micro_batches]
 
+    def micro_batch_tokens(self) -> list[list[int]]:
+        """Per rank, per micro-batch: the tokens the collator produces (``Σ s`` packed, ``n·L`` padded)."""
+        return [[micro_batch_tokens([self.lengths[i] for i in batch], self.padding, self.pad_to_multiple_of)
+                 for batch in batches] for batches in self.micro_batches]
+
     def micro_batch_costs(self) -> list[list[float]]:
-        model = self.cost_model
-        return [[model.micro_batch_cost([self.lengths[i] for i in batch]) for batch in batches]
+        model, padding, multiple = self.cost_model, self.padding, self.pad_to_multiple_of
+        return [[micro_batch_cost([self.lengths[i] for i in batch], model, padding, multiple) for batch in batches]
                 for batches in self.micro_batches]
 
     def rank_costs(self) -> list[float]:
@@ -76,40 +104,48 @@ class Plan:
         return 1.0 - sum(self.rank_costs()) / (self.world_size * step)
 
     def validate(self) -> None:
-        """Every sample placed exactly once, every micro-batch non-empty and under the cap."""
+        """Every sample placed exactly once, every micro-batch non-empty and under the cap (in the
+        tokens the plan's collator produces: padding counts)."""
         seen = sorted(i for batches in self.micro_batches for batch in batches for i in batch)
         if seen != list(range(len(self.lengths))):
             raise ODCError(f"{self.policy} plan does not place every sample exactly once")
-        for rank, batches in enumerate(self.micro_batches):
-            for m, batch in enumerate(batches):
-                tokens = sum(self.lengths[i] for i in batch)
+        for rank, (batches, tokens_of) in enumerate(zip(self.micro_batches, self.micro_batch_tokens())):
+            for m, (batch, tokens) in enumerate(zip(batches, tokens_of)):
                 if not batch or tokens > self.token_cap:
                     raise ODCError(f"{self.policy} plan: rank {rank} micro-batch {m} has {len(batch)} samples, "
-                                   f"{tokens} tokens (cap {self.token_cap})")
+                                   f"{tokens} {'padded ' if self.padding == 'padded' else ''}tokens (cap {self.token_cap})")
 
 
 def plan_minibatch(lengths: Sequence[int], world_size: int, token_cap: int, policy: str = "lb-mini",
-                   cost_model: CostModel | None = None, seed: int = 0) -> Plan:
-    """Plan one global minibatch (``lengths`` of all its samples) for ``world_size`` ranks."""
+                   cost_model: CostModel | None = None, seed: int = 0, padding: str = "packed",
+                   pad_to_multiple_of: int = 1) -> Plan:
+    """Plan one global minibatch (``lengths`` of all its samples) for ``world_size`` ranks, pricing
+    micro-batches as ``padding`` says (``"packed"`` or ``"padded"``, see the module docstring)."""
     lengths = tuple(int(s) for s in lengths)
     if policy not in POLICIES:
         raise ODCError(f"unknown balancing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if world_size < 1:
         raise ODCError(f"world_size must be >= 1, got {world_size}")
-    check_lengths(lengths, token_cap)
+    check_padding(padding, pad_to_multiple_of)
+    check_lengths(lengths, token_cap, pad_to_multiple_of)
     model = cost_model or CostModel.tokens()
-    costs = model.sample_costs(lengths)
+    # padded, a sample costs at least what it costs as the longest of its micro-batch: balance on that
+    costs = model.sample_costs([padded_length(s, pad_to_multiple_of) for s in lengths])
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)  # the seed decides ties between equal costs
     if policy == "local-sort":
         shares = [sorted(range(rank, len(lengths), world_size), key=lambda i: (-lengths[i], i))
                   for rank in range(world_size)]
         batches = [[[i] for i in share] for share in shares]
+    elif padding == "padded":
+        padded = _Padded(lengths, token_cap, order, model, pad_to_multiple_of)
+        batches = padded.lb_micro(costs, world_size) if policy == "lb-micro" else padded.lb_mini(costs, world_size)
     elif policy == "lb-micro":
         batches = _lb_micro(lengths, costs, world_size, token_cap, order)
     else:
         batches = _lb_mini(lengths, costs, world_size, token_cap, order, model)
-    plan = Plan(policy, lengths, token_cap, model, tuple(tuple(tuple(b) for b in r) for r in batches))
+    plan = Plan(policy, lengths, token_cap, model, tuple(tuple(tuple(b) for b in r) for r in batches), padding,
+                pad_to_multiple_of)
     plan.validate()
     return plan
 
@@ -144,7 +180,9 @@ def _lb_micro(lengths, costs, world_size, token_cap, order):
 def _pack_same_count(shares, lengths, costs, token_cap, order):
     count = max(minimal_micro_batches(share, lengths, token_cap) for share in shares)
     while True:
-        attempt = [split_into(share, min(count, len(share)), lengths, costs, token_cap, order) for share in shares]
+        # a rank with no sample (fewer samples than ranks) has no micro-batch: it must not block the loop
+        attempt = [split_into(share, min(count, len(share)), lengths, costs, token_cap, order) if share else []
+                   for share in shares]
         if all(batches is not None for batches in attempt):
             return attempt
         count += 1  # every rank moves to one more micro-batch together, as the counts must agree
@@ -161,3 +199,52 @@ def _give_every_rank_a_sample(shares, costs):
             cheapest = min(donor, key=lambda i: costs[i])
             donor.remove(cheapest)
             share.append(cheapest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+    """LB-Mini and LB-Micro for a padding collator: the same balancing of per-sample costs, but each
+    rank packs with :func:`~ds_odc.balance.packing.pack_padded` and plans are priced padded."""
+
+    lengths: tuple[int, ...]
+    token_cap: int
+    order: list[int]
+    model: CostModel
+    pad_to_multiple_of: int
+
+    def price(self, batch) -> float:
+        return micro_batch_cost([self.lengths[i] for i in batch], self.model, "padded", self.pad_to_multiple_of)
+
+    def pack(self, share) -> list[list[int]]:
+        return pack_padded(share, self.lengths, self.token_cap, self.order, self.pad_to_multiple_of)
+
+    def lb_mini(self, costs, world_size):
+        """As packed LB-Mini: balanced totals with and without equal counts, plus the LB-Micro plan,
+        the best by padded ODC step cost (so LB-Mini is never worse than LB-Micro for ODC here either)."""
+        unequal = _balanced_shares(costs, world_size, self.order, equal_size=False)
+        _give_every_rank_a_sample(unequal, costs)
+        equal = _balanced_shares(costs, world_size, self.order, equal_size=True)
+        candidates = [[sort_heaviest_first_by(self.pack(share), self.price) for share in shares]
+                      for shares in (unequal, equal)]
+        candidates.append(self.same_count(equal))
+        return min(candidates, key=self.odc_cost_key)
+
+    def lb_micro(self, costs, world_size):
+        return self.same_count(_balanced_shares(costs, world_size, self.order, equal_size=True))
+
+    def same_count(self, shares):
+        """Each rank's fewest runs, then ranks with fewer micro-batches split their fullest one until
+        every rank has as many as the rank that needs most (that many is the fewest common count, and
+        splitting a run never breaks the cap). A rank with fewer samples than that count (shares
+        differ by one when ranks do not divide the samples) stops at one sample per micro-batch, as
+        packed LB-Micro does."""
+        ranks = [self.pack(share) for share in shares]
+        count = max((len(batches) for batches in ranks), default=0)
+        for share, batches in zip(shares, ranks):
+            while len(batches) < min(count, len(share)):
+                split_largest_run(batches)
+        return [sort_heaviest_first_by(batches, self.price) for batches in ranks]
+
+    def odc_cost_key(self, batches):
+        totals = [sum(self.price(batch) for batch in rank) for rank in batches]
+        return (max(totals), max(totals) - min(totals))

@@ -4,10 +4,14 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from ds_odc import ODCError
-from ds_odc.balance import BalancedBatchSampler, CostModel, fit_cost_model, karmarkar_karp, plan_minibatch, refine
+from ds_odc.balance import (BalancedBatchSampler, CostModel, Plan, fit_cost_model, karmarkar_karp, plan_minibatch,
+                            refine)
+from ds_odc.balance.packing import pack_padded
 from ds_odc.balance.partition import largest_part
 
 POLICIES = ("lb-mini", "lb-micro", "local-sort")
@@ -155,3 +159,164 @@ def test_sampler_groups_a_dataloader_into_steps():
     for (plan, members), step_batches in zip(sampler.plans(), steps):
         expected = [[members[i] for i in batch] for batch in plan.micro_batches[1]]
         assert [sorted(set(b.tolist())) for b in step_batches] == [sorted(b) for b in expected]
+
+
+# --- padded pricing (a collator that pads every sample of a micro-batch to its longest one) ---------
+
+def rounded(length, multiple):
+    return -(-length // multiple) * multiple
+
+
+def hand_padded_cost(model, batch_lengths, multiple=1):
+    longest = rounded(max(batch_lengths), multiple)
+    return model.per_micro_batch + len(batch_lengths) * (model.quadratic * longest ** 2 + model.linear * longest)
+
+
+@st.composite
+def padded_cases(draw):
+    multiple = draw(st.sampled_from([1, 1, 2, 8, 64]))
+    cap = draw(st.integers(min_value=multiple, max_value=4096))
+    most = cap // multiple * multiple  # the longest sample that still fits once rounded up
+    lengths = draw(st.lists(st.integers(min_value=1, max_value=most), min_size=1, max_size=40))
+    world = draw(st.integers(min_value=1, max_value=6))
+    model = draw(st.sampled_from([CostModel.tokens(), CostModel(quadratic=2e-6, linear=2.6e-3, per_micro_batch=0.5)]))
+    return lengths, world, cap, multiple, model, draw(st.integers(0, 3))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(padded_cases(), st.sampled_from(POLICIES))
+def test_padded_plans_respect_n_times_longest_and_place_every_sample_once(case, policy):
+    lengths, world, cap, multiple, model, seed = case
+    plan = plan_minibatch(lengths, world, cap, policy, model, seed, padding="padded", pad_to_multiple_of=multiple)
+    assert (plan.padding, plan.pad_to_multiple_of) == ("padded", multiple)
+    placed = sorted(i for rank in plan.micro_batches for batch in rank for i in batch)
+    assert placed == list(range(len(lengths)))
+    hand_costs = []
+    for rank, rank_tokens in zip(plan.micro_batches, plan.micro_batch_tokens()):
+        hand_costs.append([hand_padded_cost(model, [lengths[i] for i in batch], multiple) for batch in rank])
+        for batch, tokens in zip(rank, rank_tokens):
+            n_times_longest = len(batch) * rounded(max(lengths[i] for i in batch), multiple)
+            assert batch and tokens == n_times_longest <= cap
+    for costs, hand in zip(plan.micro_batch_costs(), hand_costs):
+        assert costs == pytest.approx(hand)
+    assert plan.odc_step_cost() == pytest.approx(max(sum(c) for c in hand_costs))
+    for rank_costs in plan.micro_batch_costs():
+        assert rank_costs == sorted(rank_costs, reverse=True)  # heaviest micro-batch first
+    if policy == "lb-micro":
+        shares = [sum(len(b) for b in rank) for rank in plan.micro_batches]
+        assert max(shares) - min(shares) <= 1
+        if len(lengths) % world == 0:
+            assert len(set(plan.micro_batch_counts())) == 1
+        else:  # a rank one sample short may stop at one sample per micro-batch, as packed LB-Micro does
+            most = max(plan.micro_batch_counts())
+            assert plan.micro_batch_counts() == [min(most, share) for share in shares]
+    if policy == "local-sort":
+        assert all(len(batch) == 1 for rank in plan.micro_batches for batch in rank)
+
+
+def test_padded_costs_match_a_hand_computation():
+    model = CostModel(quadratic=1.0, linear=2.0, per_micro_batch=10.0)
+    plan = plan_minibatch([8, 7, 2, 2], 1, 16, "lb-mini", model, padding="padded")
+    assert plan.for_rank(0) == [[0, 1], [2, 3]]  # 2·8 = 16 fits; 8 and 7 padded, then 2 and 2
+    assert plan.micro_batch_tokens() == [[16, 4]]
+    assert plan.micro_batch_costs() == [[10 + 2 * (64 + 16), 10 + 2 * (4 + 4)]]  # [170, 26]
+    assert plan.odc_step_cost() == plan.collective_step_cost() == 196.0
+    packed = plan_minibatch([8, 7, 2, 2], 1, 16, "lb-mini", model)
+    assert packed.padding == "packed" and sum(packed.micro_batch_tokens()[0]) == 19  # packed pays no padding
+
+    # equal shares {7, 2} | {6, 3}; 2·7 > 12 cuts rank 0 in two, so LB-Micro splits rank 1's [6, 3] (2·6 = 12
+    # tokens, cost 12) into [6], [3] to match: 9 per rank, and micro-batch i is about as heavy on both ranks
+    two = plan_minibatch([7, 6, 3, 2], 2, 12, "lb-micro", CostModel.tokens(), padding="padded")
+    assert two.for_rank(0) == [[0], [3]] and two.for_rank(1) == [[1], [2]]
+    assert two.micro_batch_costs() == [[7.0, 2.0], [6.0, 3.0]] and two.micro_batch_tokens() == [[7, 2], [6, 3]]
+    assert two.odc_step_cost() == 9.0 and two.collective_step_cost() == 7.0 + 3.0
+    assert two.bubble_rate(collective=True) == pytest.approx(1 - 18 / 20)
+
+
+def test_pad_to_multiple_of_rounds_before_the_cap_and_the_cost():
+    lengths = [5, 3, 3]
+    exact = plan_minibatch(lengths, 1, 16, padding="padded")
+    assert exact.micro_batch_tokens() == [[15]] and exact.micro_batch_costs() == [[15.0]]  # 3·5 <= 16
+    by_four = plan_minibatch(lengths, 1, 16, padding="padded", pad_to_multiple_of=4)
+    assert by_four.micro_batch_tokens() == [[16, 4]]  # 3·8 = 24 > 16: the 5 pads to 8, so 2·8 then 1·4
+    assert by_four.micro_batch_costs() == [[16.0, 4.0]]
+    model = CostModel(quadratic=1.0, linear=0.0, per_micro_batch=1.0)
+    assert plan_minibatch([5], 1, 16, "local-sort", model, padding="padded",
+                          pad_to_multiple_of=4).micro_batch_costs() == [[1.0 + 8 * 8]]
+
+
+def test_padded_validate_counts_padding_not_just_tokens():
+    lengths = (5, 3, 3)
+    packed = Plan("lb-mini", lengths, 12, CostModel.tokens(), (((0, 1, 2),),))  # 11 tokens packed
+    packed.validate()
+    assert packed.micro_batch_tokens() == [[11]]
+    with pytest.raises(ODCError, match="rank 0 micro-batch 0 has 3 samples, 15 padded tokens"):
+        Plan("lb-mini", lengths, 12, CostModel.tokens(), (((0, 1, 2),),), "padded").validate()
+
+
+def test_pack_padded_makes_the_fewest_micro_batches():
+    rng = random.Random(11)
+    for _ in range(150):
+        cap = rng.randint(4, 40)
+        lengths = [rng.randint(1, cap) for _ in range(rng.randint(1, 7))]
+        got = pack_padded(range(len(lengths)), lengths, cap)
+        assert all(len(b) * max(lengths[i] for i in b) <= cap for b in got)
+        assert len(got) == brute_force_fewest_padded(lengths, cap), (lengths, cap, got)
+
+
+def brute_force_fewest_padded(lengths, cap):
+    return min(len(groups) for groups in set_partitions(list(lengths))
+               if all(len(g) * max(g) <= cap for g in groups))
+
+
+def set_partitions(items):
+    """Every partition of ``items`` into non-empty groups (Bell(7) = 877 of them for 7 items)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first]] + partition
+        for g in range(len(partition)):
+            yield partition[:g] + [[first] + partition[g]] + partition[g + 1:]
+
+
+@pytest.mark.parametrize("per_micro_batch", [0.0, 5.0])
+def test_padded_lb_mini_never_worse_than_lb_micro_for_odc(per_micro_batch):
+    for seed in range(8):
+        lengths = long_tailed(16, 2048, seed)
+        model = CostModel(quadratic=2.0 / 1000 ** 2, linear=2.6 / 1000, per_micro_batch=per_micro_batch)
+        micro = plan_minibatch(lengths, 4, 2048, "lb-micro", model, seed, padding="padded", pad_to_multiple_of=8)
+        mini = plan_minibatch(lengths, 4, 2048, "lb-mini", model, seed, padding="padded", pad_to_multiple_of=8)
+        assert len(set(micro.micro_batch_counts())) == 1
+        assert mini.odc_step_cost() <= micro.odc_step_cost() + 1e-9
+        assert mini == plan_minibatch(lengths, 4, 2048, "lb-mini", model, seed, padding="padded", pad_to_multiple_of=8)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: plan_minibatch([10, 30], 1, 31, padding="padded", pad_to_multiple_of=8),
+     "sample 1 has 30 tokens, 32 once padded to a multiple of 8, more than token_cap=31"),
+    (lambda: plan_minibatch([10], 1, 32, padding="pad"), "unknown padding 'pad'"),
+    (lambda: plan_minibatch([10], 1, 32, padding="padded", pad_to_multiple_of=0),
+     "pad_to_multiple_of must be an int >= 1"),
+    (lambda: plan_minibatch([10], 1, 32, pad_to_multiple_of=8), "pad_to_multiple_of=8 needs padding='padded'"),
+    (lambda: Plan("lb-mini", (1,), 4, CostModel.tokens(), (((0,),),), "flat"), "unknown padding 'flat'"),
+])
+def test_bad_padding_inputs_name_the_problem(call, message):
+    with pytest.raises(ODCError, match=message):
+        call()
+
+
+def test_planner_docstring_examples():
+    import doctest
+
+    import ds_odc.balance.planner
+    failures, tried = doctest.testmod(ds_odc.balance.planner)
+    assert tried > 0 and failures == 0
+
+
+@pytest.mark.parametrize("padding", ["packed", "padded"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fewer_samples_than_ranks_leaves_ranks_idle_and_terminates(policy, padding):
+    plan = plan_minibatch([10, 7], 4, 100, policy, padding=padding)  # used to loop forever under lb-micro
+    assert sorted(plan.micro_batch_counts()) == [0, 0, 1, 1] and sorted(plan.rank_costs()) == [0, 0, 7, 10]
