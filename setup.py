@@ -10,6 +10,7 @@ from setuptools.command.editable_wheel import editable_wheel
 # turns it off. The name sorts after setuptools' "__editable__.*.pth", which makes the module importable.
 AUTOLOAD_PTH = ("ds_odc_autoload.pth", "import ds_odc_autoload; ds_odc_autoload.install()\n")
 HF_PINS = ["transformers==5.23.0", "accelerate==1.15.0"]  # the releases ds_odc/integration/hf.py was verified on
+TRL_PINS = ["trl==1.16.0", "datasets==5.2.0"]  # SFTTrainer under zero_optimization.odc.balance (tests)
 BENCH = ["matplotlib==3.10.7", "tqdm"]  # timeline plots (ds_odc.metrics.plot_timelines) and benchmark progress
 
 
@@ -86,6 +87,6 @@ setup(
         "pydantic>=2.0",
         "ninja",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", *BENCH, *HF_PINS], "examples": ["tqdm"],
+    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", *BENCH, *HF_PINS, *TRL_PINS], "examples": ["tqdm"],
                     "hf": HF_PINS, "bench": BENCH},
 )

@@ -14,7 +14,7 @@ unknown top-level keys, so the marker travels with the dict (including into chec
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -22,6 +22,63 @@ from ds_odc.errors import ODCConfigError
 
 ODC_STAGE = "odc"
 MARKER_KEY = "odc"
+
+
+class QuadraticCost(BaseModel):
+    """``a·x² + b·x`` per sample with ``x = length / length_unit`` (plus a fixed cost per micro-batch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    a: Annotated[float, Field(ge=0)]
+    """Coefficient of the squared length (attention). At least 0."""
+
+    b: Annotated[float, Field(ge=0)]
+    """Coefficient of the length (everything linear in tokens). At least 0; a and b not both 0."""
+
+    length_unit: Annotated[float, Field(gt=0)] = 1.0
+    """Lengths are divided by this before the formula (a published fit is often per 32K tokens).
+    Default 1."""
+
+    per_micro_batch: Annotated[float, Field(ge=0)] = 0.0
+    """Fixed cost of one micro-batch, in the unit of the formula (launches, pulls). Default 0."""
+
+    @field_validator("b")
+    @classmethod
+    def _not_both_zero(cls, value: float, info) -> float:
+        if value == 0 and info.data.get("a") == 0:
+            raise ValueError("a and b are both 0: every sample would cost nothing")
+        return value
+
+
+class BalanceConfig(BaseModel):
+    """The Hugging Face Trainer's micro-batches planned by ``ds_odc.balance`` (see README, "Balancing")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    policy: Literal["lb-mini", "lb-micro"] = "lb-mini"
+    """"lb-mini": each rank gets an equal share of the step's compute and runs it as its own number of
+    micro-batches (zero allowed). "lb-micro": every rank runs the same number of micro-batches, balanced
+    index by index (the equal-count baseline). Default "lb-mini"."""
+
+    token_cap: Annotated[int, Field(ge=1)]
+    """Most tokens in one micro-batch, as the data collator produces it (a padded micro-batch counts its
+    padded size). Required; a sample longer than the cap is an error naming it."""
+
+    cost_model: Union[Literal["tokens", "measure"], QuadraticCost] = "tokens"
+    """What a sample costs: "tokens" (its token count), {"a": ..., "b": ...} (``a·s² + b·s``), or
+    "measure" (fitted once at the start of training from timed forward+backward passes of this model on
+    this machine at several lengths up to token_cap, the same fit on every rank, logged). Default "tokens"."""
+
+    padding: Literal["auto", "padded", "packed"] = "auto"
+    """How the data collator lays out a micro-batch: "padded" (every sample padded to the longest: n·L
+    tokens), "packed" (samples concatenated, as padding-free collators do: Σ lengths), or "auto" (decided
+    by collating two samples of different lengths once). Default "auto"."""
+
+    pad_to_multiple_of: Annotated[int, Field(ge=1)] = 1
+    """With "padded": the collator's pad_to_multiple_of, so the plan prices the padded length. Default 1."""
+
+    length_key: str = "input_ids"
+    """The field of a dataset item whose length is the sample's token count. Default "input_ids"."""
 
 
 class ODCConfig(BaseModel):
@@ -73,6 +130,12 @@ class ODCConfig(BaseModel):
     metrics_log_interval: int = Field(0, ge=0)
     """Log every rank's step report (one line, through DeepSpeed's logger at info level, so with the
     ds_config's ``"log_level": "info"``) every this many steps; 0 (default) never logs."""
+
+    balance: Optional[BalanceConfig] = None
+    """Plan the Hugging Face Trainer's micro-batches from the lengths of each step's samples
+    (``{"policy": "lb-mini", "token_cap": 65536, "cost_model": "tokens"}``; fields under balance.* below
+    and in README, "Balancing"). The Trainer then takes the same samples per step as without it, and each
+    rank runs its share as its own number of micro-batches. Default null: the Trainer's own batches."""
 
     @field_validator("shm_dir")
     @classmethod
@@ -159,6 +222,13 @@ def _check_stage_value(ds_config: Any) -> None:
     # "auto" is accelerate's placeholder, filled in later with the plugin's stage
     if isinstance(stage, str) and stage not in (ODC_STAGE, "auto") and not stage.strip().isdigit():
         raise ODCConfigError(f"zero_optimization.stage={stage!r}: allowed values are 0, 1, 2, 3 and \"odc\"")
+    if MARKER_KEY in zero and stage != ODC_STAGE and isinstance(zero[MARKER_KEY], dict) \
+            and zero[MARKER_KEY].get("balance") is not None:
+        raise ODCConfigError(f"zero_optimization.odc.balance is set but zero_optimization.stage={stage!r}: "
+                             "balancing by compute gives ranks different numbers of micro-batches, which only "
+                             '"stage": "odc" can run (ZeRO-3 meets at every layer of every micro-batch, so its '
+                             "ranks must run equal counts); use \"stage\": \"odc\", or for ZeRO-3 an equal-count "
+                             "plan from ds_odc.balance.BalancedBatchSampler(policy=\"lb-micro\")")
     if MARKER_KEY in zero and stage != ODC_STAGE:
         raise ODCConfigError(f"zero_optimization.odc is set but zero_optimization.stage={stage!r}: the odc options "
                              'need "stage": "odc" (or remove them)')

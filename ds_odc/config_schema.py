@@ -9,7 +9,10 @@ import json
 import os
 import sys
 
-from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, ODCConfig
+from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, BalanceConfig, ODCConfig, QuadraticCost
+
+#: Option blocks inside ODCConfig, documented the same way.
+NESTED_MODELS = (BalanceConfig, QuadraticCost)
 
 #: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
 _UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",
@@ -19,9 +22,9 @@ SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "odc.schema.json")
 
 
-def _field_docs() -> dict:
-    """The string under each field of ODCConfig (Megatron-style per-field docs)."""
-    tree = ast.parse(inspect.getsource(ODCConfig))
+def _field_docs(model) -> dict:
+    """The string under each field of a pydantic model (Megatron-style per-field docs)."""
+    tree = ast.parse(inspect.getsource(model))
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
@@ -31,6 +34,12 @@ def _field_docs() -> dict:
     return docs
 
 
+def _documented(model, schema: dict) -> dict:
+    for name, doc in _field_docs(model).items():
+        schema["properties"][name]["description"] = doc
+    return schema
+
+
 def _incompatible() -> str:
     zero = sorted({f"zero_optimization.{key}" for key, _, _ in _UNSUPPORTED_ZERO_OPTIONS})
     return ", ".join(zero + list(_UNSUPPORTED_ELSEWHERE))
@@ -38,8 +47,11 @@ def _incompatible() -> str:
 
 def generate() -> dict:
     options = ODCConfig.model_json_schema()
-    for name, doc in _field_docs().items():
-        options["properties"][name]["description"] = doc
+    nested = options.pop("$defs", {})  # the option blocks (balance, its cost model) sit beside ODCConfig
+    _documented(ODCConfig, options)
+    for model in NESTED_MODELS:
+        nested[model.__name__] = _documented(model, nested[model.__name__])
+        nested[model.__name__]["description"] = " ".join((model.__doc__ or "").split())
     options["description"] = "Options of the odc stage, under zero_optimization.odc."
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -65,7 +77,7 @@ def generate() -> dict:
                 "$ref": "#/$defs/ODCConfig",
             },
         },
-        "$defs": {"ODCConfig": options},
+        "$defs": {"ODCConfig": options, **nested},
     }
 
 

@@ -12,9 +12,10 @@ def register() -> None:
     DeepSpeed release: on another release, the error names what is missing, if anything is."""
     assert_surface()
     check_deepspeed_version()
-    from ds_odc.integration import hf, hf_trainer
+    from ds_odc.integration import hf, hf_balance, hf_trainer
     from ds_odc.integration.initialize import register as _register
 
     _register()
     hf.register()
     hf_trainer.register()
+    hf_balance.register()

@@ -23,7 +23,7 @@ import functools
 from deepspeed.utils import logger
 from ds_odc_autoload import when_imported
 
-from ds_odc.config import canonicalize, is_odc_config
+from ds_odc.config import canonicalize
 from ds_odc.integration.versions import untested_hf_release
 
 PATCHED_MODULE = "accelerate.utils.deepspeed"
@@ -33,8 +33,9 @@ _originals: dict = {}
 def _canonicalising(original):
     @functools.wraps(original)
     def set_stage_and_offload(self):
-        if is_odc_config(getattr(self, "config", None)):
-            canonicalize(self.config)
+        config = getattr(self, "config", None)
+        if isinstance(config, dict):
+            canonicalize(config)  # also refuses odc options next to another stage, naming why
         return original(self)
 
     return set_stage_and_offload

@@ -111,6 +111,7 @@ _HOOKS, _CKPT = "ds_odc/integration/engine_hooks.py", "ds_odc/integration/checkp
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
 _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/engine.py"
+_BALANCE, _COST = "ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_cost.py"
 
 _ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
 _PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -308,7 +309,21 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
                 "forgets the released inference engine", found_in="__init__"),
     PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
-                _TRAINER, "forgets the released inference engine", found_in="__init__"),
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)", found_in="__init__"),
+    PrivateName("accelerate.state", "GradientState", "_set_sync_gradients", Kind.METHOD, _BALANCE,
+                "the accumulation boundary on a slot's last micro-batch only"),
+    PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _BALANCE,
+                "the DataLoader settings carried into the rebuilt training loader"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "rng_types", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "synchronized_generator", Kind.INSTANCE_ATTRIBUTE,
+                _BALANCE, "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "iteration", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "split_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "replays the sharding for every rank", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "even_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "replays the sharding for every rank", found_in="__init__"),
     # -- transformers (optional) -------------------------------------------------------------------------
     PrivateName("transformers.trainer", None, "deepspeed_init", Kind.MODULE_ATTRIBUTE, _TRAINER,
                 "patched: releases an inference-only ODC engine before training"),
@@ -316,8 +331,17 @@ SURFACE: tuple[PrivateName, ...] = (
                 "so the patch reaches training", found_in="_prepare_for_training"),
     PrivateName("transformers.trainer", "Trainer", "deepspeed", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
                 "forgets the released inference engine", found_in="__init__"),
-    PrivateName("transformers.trainer", "Trainer", "accelerator", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
-                "where the released engine is registered", found_in="create_accelerator_and_postprocess"),
+    PrivateName("transformers.trainer", "Trainer", "accelerator", Kind.INSTANCE_ATTRIBUTE,
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "where the engine is registered; its gathers",
+                found_in="create_accelerator_and_postprocess"),
+    PrivateName("transformers.trainer", "Trainer", "get_batch_samples", Kind.METHOD, _BALANCE,
+                "patched: a step's slots and its global loss-token count"),
+    PrivateName("transformers.trainer", "Trainer", "_get_num_items_in_batch", Kind.METHOD, _BALANCE,
+                "the Trainer's own loss-token count, over a slot's micro-batches"),
+    PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
+                "patched: counts over a slot's micro-batches"),
+    PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
+                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world", found_in="_run_epoch"),
 )
 
 

@@ -47,3 +47,33 @@ def test_unsupported_zero_features_are_rejected(zero, field):
 
 def test_offload_device_none_is_fine():
     assert canonicalize({"zero_optimization": {"stage": "odc", "offload_param": {"device": "none"}}}) is not None
+
+
+def test_balance_block_parses_each_cost_model():
+    tokens = parse_options({"balance": {"token_cap": 4096}}).balance
+    assert (tokens.policy, tokens.cost_model, tokens.padding) == ("lb-mini", "tokens", "auto")
+    fitted = parse_options({"balance": {"token_cap": 4096, "policy": "lb-micro",
+                                        "cost_model": {"a": 1.98, "b": 2.61, "length_unit": 32000}}}).balance
+    assert fitted.cost_model.a == 1.98 and fitted.cost_model.length_unit == 32000
+    assert parse_options({"balance": {"token_cap": 8, "cost_model": "measure"}}).balance.cost_model == "measure"
+
+
+@pytest.mark.parametrize("balance, field", [
+    ({}, "balance.token_cap"),
+    ({"token_cap": 0}, "balance.token_cap"),
+    ({"token_cap": 64, "policy": "local-sort"}, "balance.policy"),
+    ({"token_cap": 64, "cost_model": "flops"}, "balance.cost_model"),
+    ({"token_cap": 64, "cost_model": {"a": 0.0, "b": 0.0}}, "balance.cost_model"),
+    ({"token_cap": 64, "cost_model": {"a": 1.0}}, "balance.cost_model"),
+    ({"token_cap": 64, "padding": "left"}, "balance.padding"),
+    ({"token_cap": 64, "tokens": 5}, "balance.tokens"),
+])
+def test_bad_balance_options_name_the_field(balance, field):
+    with pytest.raises(ODCConfigError, match=f"zero_optimization.odc.{field}"):
+        parse_options({"balance": balance})
+
+
+def test_balance_next_to_stage_3_is_refused_saying_why():
+    config = {"zero_optimization": {"stage": 3, "odc": {"balance": {"token_cap": 64}}}}
+    with pytest.raises(ODCConfigError, match=r"balance .*stage=3.*same number|balance.*equal counts"):
+        canonicalize(config)

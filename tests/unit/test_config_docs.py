@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from ds_odc.config import ODCConfig
+from ds_odc.config import BalanceConfig, ODCConfig, QuadraticCost
 from ds_odc.config_schema import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,8 +15,8 @@ def _readme_options() -> dict:
     with open(os.path.join(ROOT, "README.md")) as readme:
         text = readme.read()
     section = text.split("\n## Options", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", section, flags=re.M)
-    return dict(rows)
+    rows = re.findall(r"^\| `([a-z_.]+)` \| `?([^`|]*)`? \|", section, flags=re.M)
+    return {name: default.strip() for name, default in rows}
 
 
 def test_schema_gives_every_option_its_allowed_values():
@@ -28,7 +28,7 @@ def test_schema_gives_every_option_its_allowed_values():
     assert set(options["properties"]) == set(ODCConfig.model_fields)
     for name, spec in options["properties"].items():
         kinds = spec.get("anyOf", [spec])  # an optional option: its value's spec or null
-        assert all("enum" in k or k.get("type") in ("number", "integer", "string", "boolean", "null")
+        assert all("enum" in k or "$ref" in k or k.get("type") in ("number", "integer", "string", "boolean", "null")
                    for k in kinds), name
     timeout = options["properties"]["timeout_s"]
     assert timeout["default"] is None and {"type": "null"} in timeout["anyOf"]
@@ -41,4 +41,19 @@ def test_readme_documents_every_option_with_its_default():
     for name, field in ODCConfig.model_fields.items():
         assert name in documented, f"README 'Options' table has no row for {name}"
         assert json.loads(documented[name]) == field.default, f"README default of {name}: {documented[name]}"
-    assert set(documented) <= set(ODCConfig.model_fields), set(documented) - set(ODCConfig.model_fields)
+    for name, field in BalanceConfig.model_fields.items():
+        row = f"balance.{name}"
+        assert row in documented, f"README 'Options' table has no row for {row}"
+        expected = "required" if field.is_required() else field.default
+        assert (documented[row] if field.is_required() else json.loads(documented[row])) == expected, row
+    known = set(ODCConfig.model_fields) | {f"balance.{name}" for name in BalanceConfig.model_fields}
+    assert set(documented) <= known, set(documented) - known
+
+
+def test_nested_blocks_are_in_the_schema_with_their_fields_documented():
+    defs = generate()["$defs"]
+    for model in (BalanceConfig, QuadraticCost):
+        spec = defs[model.__name__]
+        assert spec["additionalProperties"] is False and set(spec["properties"]) == set(model.model_fields)
+        assert all(field.get("description") for field in spec["properties"].values()), model.__name__
+    assert defs["BalanceConfig"]["required"] == ["token_cap"]

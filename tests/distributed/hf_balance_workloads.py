@@ -1,0 +1,174 @@
+"""What the ranks run in the Trainer-balance tests: a tiny Llama trained by an unmodified ``Trainer`` on
+long-tailed lengths, with and without ``zero_optimization.odc.balance``.
+
+Runs inside spawned ranks (harness.py), or in one plain process for the reference. No downloads: the
+model comes from a ``LlamaConfig``, the data is synthetic and the same on every run.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+VOCAB = 96
+MAX_LEN = 48
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def long_tailed_lengths(size: int, seed: int) -> list[int]:
+    """Mostly short samples and a few long ones (lognormal, clipped to [4, MAX_LEN])."""
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.randn(size, generator=gen)
+    return [max(4, min(MAX_LEN, int(math.exp(2.3 + 1.0 * float(d))))) for d in draws]
+
+
+class LongTailedDataset(torch.utils.data.Dataset):
+    """Counting sequences (learnable in context) of long-tailed lengths; items are lists, as tokenised
+    datasets give them, so the collator pads."""
+
+    def __init__(self, size: int, seed: int):
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.rows = []
+        for length in long_tailed_lengths(size, seed):
+            start, stride = int(torch.randint(0, VOCAB, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+            self.rows.append([(start + stride * i) % VOCAB for i in range(length)])
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def pad_collator(samples):
+    """Right padding to the longest sample; padded labels -100 (what DataCollatorWithPadding + labels does)."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        ids[row, :n] = torch.tensor(sample["input_ids"])
+        labels[row, :n] = torch.tensor(sample["labels"])
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def balance_ds_config(stage, balance: dict | None) -> dict:
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if stage == "odc":
+        zero["odc"] = {"accumulator_dtype": "fp64"}
+        if balance is not None:
+            zero["odc"]["balance"] = balance
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10_000,
+            "zero_optimization": zero}
+
+
+def _full_parameters(model, distributed: bool) -> dict:
+    if not distributed:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, steps: int = 5,
+                         per_device: int = 4, accumulation: int = 2, world: int | None = None,
+                         collator=None, resume_from: str | None = None, save_steps: int = 0) -> dict:
+    """Train ``steps`` optimizer steps; record the full weights and the loss after every step and how many
+    micro-batches this rank ran in each. ``stage=None``: one plain process without DeepSpeed whose
+    accumulation covers ``world`` ranks' batches (the same samples per step)."""
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    distributed = stage is not None
+    counts, weights, losses, logs = [], {}, {}, []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            weights[state.global_step] = _full_parameters(trainer.model, distributed)
+            counts.append(forwards[0])
+            forwards[0] = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses[state.global_step] = logs["loss"]
+                record.append(dict(logs))
+
+    record = logs
+    forwards = [0]
+    args = TrainingArguments(
+        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance) if distributed else None, use_cpu=True,
+        max_steps=steps, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation if distributed else accumulation * world,
+        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0,
+        logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        remove_unused_columns=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config())  # not under zero.Init: the same initial weights in every run
+    model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+    trainer = Trainer(model=model, args=args, train_dataset=LongTailedDataset(96, seed=3),
+                      data_collator=collator or pad_collator,
+                      callbacks=[Record()])
+    trainer.train(resume_from_checkpoint=resume_from)
+    return {"counts": counts, "weights": weights, "losses": losses, "logs": logs,
+            "engine": type(trainer.model_wrapped).__name__}
+
+
+def word_tokenizer():
+    """A tokenizer built in memory (no download): one word per token id."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   pad_token="t0", eos_token="t1")
+
+
+def sft_run(stage, output_dir: str, balance: dict | None = None, padding_free: bool = False, steps: int = 5,
+            per_device: int = 4, accumulation: int = 2, world: int | None = None) -> dict:
+    """``trl.SFTTrainer`` on pre-tokenised long-tailed samples, padded or padding-free; records as
+    :func:`balanced_trainer_run` does. ``stage=None``: one plain process covering ``world`` ranks' batches."""
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    distributed = stage is not None
+    counts, weights, logs, forwards = [], {}, [], [0]
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            weights[state.global_step] = _full_parameters(trainer.model, distributed)
+            counts.append(forwards[0])
+            forwards[0] = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                record.append(dict(logs))
+
+    record = logs
+    args = SFTConfig(
+        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance) if distributed else None, use_cpu=True,
+        max_steps=steps, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation if distributed else accumulation * world,
+        padding_free=padding_free, max_length=None, bf16=False, learning_rate=3e-3, lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config())
+    model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+    dataset = Dataset.from_dict({"input_ids": LongTailedDataset(96, seed=3).rows})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=word_tokenizer(),
+                         callbacks=[Record()])
+    trainer.train()
+    return {"counts": counts, "weights": weights, "logs": logs, "engine": type(trainer.model_wrapped).__name__}

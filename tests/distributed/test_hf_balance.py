@@ -1,0 +1,136 @@
+"""An unmodified Trainer with ``zero_optimization.odc.balance``: LB-Mini by config alone.
+
+Runs shared by the tests (2 CPU ranks, a tiny Llama, long-tailed lengths, a padding collator):
+ODC + LB-Mini, ODC + LB-Micro, plain ZeRO-3 (the Trainer as users run it today), and one plain process
+without DeepSpeed whose accumulation covers both ranks' batches (the same samples per step).
+"""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.distributed.harness import run_ranks  # noqa: E402
+from tests.distributed.hf_balance_workloads import balanced_trainer_run  # noqa: E402
+
+STEPS = 5
+LB_MINI = {"policy": "lb-mini", "token_cap": 48, "cost_model": {"a": 0.02, "b": 1.0}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_balance")
+    return {
+        "lb-mini": run_ranks(balanced_trainer_run, 2, "odc", str(root / "mini"), LB_MINI, STEPS, timeout=300),
+        "lb-micro": run_ranks(balanced_trainer_run, 2, "odc", str(root / "micro"), dict(LB_MINI, policy="lb-micro"),
+                              STEPS, timeout=300),
+        "zero3": run_ranks(balanced_trainer_run, 2, 3, str(root / "zero3"), None, STEPS, timeout=300),
+        "single": run_ranks(balanced_trainer_run, 1, None, str(root / "single"), None, STEPS, 4, 2, 2,
+                            timeout=300),
+    }
+
+
+def _assert_same_weights(run, reference, what):
+    assert sorted(run["weights"]) == sorted(reference["weights"]) == list(range(1, STEPS + 1))
+    for step, params in reference["weights"].items():
+        for name, tensor in params.items():
+            # fp32 sums in another order and micro-batches of other shapes (padding): rounding only
+            torch.testing.assert_close(run["weights"][step][name], tensor, rtol=1e-4, atol=2e-5,
+                                       msg=f"{what}, step {step}, {name}")
+
+
+def test_lb_mini_gives_ranks_different_micro_batch_counts(runs):
+    mini = runs["lb-mini"]
+    assert all(r["engine"] == "ODCEngine" for r in mini)
+    per_rank = [r["counts"] for r in mini]
+    assert all(len(c) == STEPS for c in per_rank)
+    assert any(a != b for a, b in zip(*per_rank)), f"every step had equal counts: {per_rank}"
+    # the Trainer without the balance block: gradient_accumulation_steps micro-batches everywhere
+    assert all(c == [2] * STEPS for c in (r["counts"] for r in runs["zero3"]))
+
+
+def test_lb_micro_runs_equal_counts_through_the_same_path(runs):
+    counts = [r["counts"] for r in runs["lb-micro"]]
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("policy", ["lb-mini", "lb-micro"])
+def test_every_step_equals_zero3_and_a_single_process_on_the_same_samples(runs, policy):
+    balanced = runs[policy][0]
+    _assert_same_weights(balanced, runs["zero3"][0], f"{policy} vs ZeRO-3")
+    _assert_same_weights(balanced, runs["single"][0], f"{policy} vs one process")
+    # Adam hides a wrong gradient scale from the weights; the gradient norm and the loss show it
+    for reference in (runs["zero3"][0], runs["single"][0]):
+        for mine, theirs in zip(balanced["logs"], reference["logs"], strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_logs_show_each_ranks_micro_batches_and_utilisation(runs):
+    logs = runs["lb-mini"][0]["logs"]
+    assert len(logs) == STEPS
+    counts = [r["counts"] for r in runs["lb-mini"]]
+    for step, entry in enumerate(logs):
+        assert entry["odc_micro_batches"] == f"{counts[0][step]}/{counts[1][step]}"
+        assert 0 < entry["odc_planned_utilisation"] <= 1
+        assert 0 < entry["odc_utilisation"] <= 1 and len(entry["odc_utilisation_per_rank"].split("/")) == 2
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
+def test_sft_trainer_with_balance_equals_zero3_and_a_single_process(tmp_path, padding_free):
+    pytest.importorskip("trl")
+    from tests.distributed.hf_balance_workloads import sft_run
+
+    balance = dict(LB_MINI, token_cap=50 if padding_free else 48)  # caps at which some step's counts differ
+    mini = run_ranks(sft_run, 2, "odc", str(tmp_path / "mini"), balance, padding_free, STEPS, timeout=300)
+    zero3 = run_ranks(sft_run, 2, 3, str(tmp_path / "zero3"), None, padding_free, STEPS, timeout=300)
+    single = run_ranks(sft_run, 1, None, str(tmp_path / "single"), None, padding_free, STEPS, 4, 2, 2, timeout=300)
+    assert any(a != b for a, b in zip(mini[0]["counts"], mini[1]["counts"])), [r["counts"] for r in mini]
+    for reference, what in ((zero3[0], "ZeRO-3"), (single[0], "one process")):
+        _assert_same_weights(mini[0], reference, f"SFT {what}")
+        for mine, theirs in zip(mini[0]["logs"], reference["logs"], strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_a_balance_block_on_stage_3_is_refused_at_training_arguments(tmp_path):
+    import ds_odc  # noqa: F401  (what the autoload does in a user's script)
+    from transformers import TrainingArguments
+
+    from ds_odc.errors import ODCConfigError
+    from tests.distributed.hf_balance_workloads import balance_ds_config
+
+    config = balance_ds_config(3, None)
+    config["zero_optimization"]["odc"] = {"balance": LB_MINI}
+    with pytest.raises(ODCConfigError, match="equal counts"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=config, use_cpu=True, report_to="none")
+
+
+def test_resume_mid_epoch_continues_with_the_same_samples_and_losses(runs, tmp_path):
+    """Six steps make an epoch here; the checkpoint at step 2 is mid-epoch. The resumed run skips the
+    slots already trained and must see the same samples, hence the uninterrupted run's losses."""
+    # arguments: balance, steps, per_device, accumulation, world, collator, resume_from, save_steps
+    first = run_ranks(balanced_trainer_run, 2, "odc", str(tmp_path / "first"), LB_MINI, STEPS, 4, 2, None,
+                      None, None, 2, timeout=300)
+    resumed = run_ranks(balanced_trainer_run, 2, "odc", str(tmp_path / "resumed"), LB_MINI, STEPS, 4, 2, None,
+                        None, str(tmp_path / "first" / "checkpoint-2"), timeout=300)
+    uninterrupted = runs["lb-mini"][0]
+    assert first[0]["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-6)
+    assert sorted(resumed[0]["losses"]) == [3, 4, 5]
+    for step, loss in resumed[0]["losses"].items():
+        assert loss == pytest.approx(uninterrupted["losses"][step], rel=1e-6), step
+    for step in (3, 4, 5):
+        for name, tensor in uninterrupted["weights"][step].items():
+            torch.testing.assert_close(resumed[0]["weights"][step][name], tensor, rtol=1e-6, atol=1e-7)
+    assert [r["counts"] for r in resumed] == [r["counts"][2:] for r in runs["lb-mini"]]
+
+
+def test_a_measured_cost_model_plans_alike_everywhere_and_leaves_no_gradient_behind(runs, tmp_path):
+    """"measure" times forward+backward passes when training starts: every rank must then plan with the
+    same fit (else samples would be lost or run twice) and the timing passes' gradients must be gone
+    before step 1 (else the first update would differ from ZeRO-3's)."""
+    measured = run_ranks(balanced_trainer_run, 2, "odc", str(tmp_path / "measured"),
+                         dict(LB_MINI, cost_model="measure"), STEPS, timeout=300)
+    _assert_same_weights(measured[0], runs["zero3"][0], "measured cost model vs ZeRO-3")
+    for mine, theirs in zip(measured[0]["logs"], runs["zero3"][0]["logs"], strict=True):
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
