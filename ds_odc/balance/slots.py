@@ -31,6 +31,8 @@ class StepHeader:
     micro_batch_counts: tuple[int, ...]  # per rank
     rank_costs: tuple[float, ...]  # per rank, by the cost model
     samples: int  # in the global minibatch
+    odc_cost: float = 0.0  # the plan's step cost when ranks meet only at the step (max_rank Σ_m)
+    collective_cost: float = 0.0  # ... when they meet at every micro-batch (Σ_m max_rank)
 
     @property
     def global_micro_batches(self) -> int:
@@ -129,7 +131,8 @@ class StepPlanner:
         """``slots`` batch-sampler items of this rank for a step whose global minibatch is ``members``
         (dataset indices, ``lengths`` theirs): each ``[header, (m, index), ...]``."""
         plan = self.plan(lengths, seed=step)
-        header = StepHeader(step, tuple(plan.micro_batch_counts()), tuple(plan.rank_costs()), len(members))
+        header = StepHeader(step, tuple(plan.micro_batch_counts()), tuple(plan.rank_costs()), len(members),
+                            plan.odc_step_cost(), plan.collective_step_cost())
         mine = plan.for_rank(self.rank)
         items = [[header] for _ in range(slots)]
         for m, (batch, slot) in enumerate(zip(mine, slot_of_micro_batches(len(mine), slots))):

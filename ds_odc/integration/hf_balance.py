@@ -174,7 +174,14 @@ def _decide_padding(config: BalanceConfig, dataset, collate_fn, members, length_
                          '"padded" or "packed"')
 
 
-def _balanced_loader(trainer, loader, config: BalanceConfig):
+def balanced_loader(trainer, loader, config: BalanceConfig):
+    """The Trainer's prepared training ``loader`` rebuilt to yield planned slots (see the module docstring).
+
+    Used by ``get_train_dataloader`` when the config has a balance block. Also callable on ZeRO-3 with
+    ``"lb-micro"`` (every rank the same slots, so the collectives line up): the benchmark's baseline."""
+    if MARKER_KEY not in trainer.args.hf_deepspeed_config.config and config.policy != "lb-micro":
+        raise ODCConfigError(f"balance policy {config.policy!r} needs the odc stage: on ZeRO-3 every rank must run "
+                             "the same number of micro-batches (\"lb-micro\")")
     from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS, BatchSamplerShard, DataLoaderShard
 
     world_size, rank = trainer.args.world_size, trainer.args.process_index
@@ -218,7 +225,7 @@ def _get_train_dataloader(original, self):
     config = balance_config(self)
     if config is None:
         return loader
-    return _balanced_loader(self, loader, config)
+    return balanced_loader(self, loader, config)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@ Every rank times the same forward+backward passes of one synthetic sample at sev
 the token cap (after a warm-up pass each), the ranks average their medians in one gather so that the
 fit, hence every plan, is the same everywhere, and the gradients of those passes are dropped with a
 collective ``zero_grad`` before the first real micro-batch. Runs once, when the training data
-loader first plans a step (the engine exists by then); the fit is logged once.
+loader first plans a step (the engine exists by then); the fit is logged once. Times that do not grow
+with length (samples too short to time on a loaded machine) fall back to the token count, with a
+warning: every rank sees the same averaged times, so every rank falls back alike.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from deepspeed.utils import logger
 
 from ds_odc.balance.cost import CostModel, fit_cost_model
 from ds_odc.config import BalanceConfig
+from ds_odc.errors import ODCError
 
 #: Fractions of the token cap timed; five lengths from 1/16 of the cap to the cap.
 MEASURED_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
@@ -53,7 +56,12 @@ def measure_cost_model(trainer, config: BalanceConfig) -> CostModel:
     if trainer.args.world_size > 1:
         times = trainer.accelerator.gather(times)
     averaged = dict(zip(lengths, times.mean(dim=0).tolist()))
-    model = fit_cost_model(lambda length: averaged[length], lengths, repeats=1, warmup=0)
+    try:
+        model = fit_cost_model(lambda length: averaged[length], lengths, repeats=1, warmup=0)
+    except ODCError as error:  # times lost in noise (tiny samples, a loaded machine): the same on every rank
+        if trainer.is_world_process_zero():
+            logger.warning(f"ds_odc balance: {error}; planning by token count instead")
+        return CostModel.tokens()
     if trainer.is_world_process_zero():
         logger.info(f"ds_odc balance: measured forward+backward seconds at lengths {lengths}: "
                     f"{[round(averaged[s], 5) for s in lengths]}; fitted cost {model.per_micro_batch:.3g} + "

@@ -63,6 +63,8 @@ def pad_collator(samples):
 
 
 def balance_ds_config(stage, balance: dict | None) -> dict:
+    """ds_config for ``stage``; the balance block goes under "odc" (on stage 3 it is applied through
+    ``hf_balance.balanced_loader`` instead, as the benchmark's baseline does)."""
     zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
     if stage == "odc":
         zero["odc"] = {"accumulator_dtype": "fp64"}
@@ -110,19 +112,36 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
         output_dir=output_dir, deepspeed=balance_ds_config(stage, balance) if distributed else None, use_cpu=True,
         max_steps=steps, per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation if distributed else accumulation * world,
-        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0,
-        logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0,
+        max_grad_norm=0.3,  # below the gradient norms here: every step is clipped
+        per_device_eval_batch_size=4, logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config())  # not under zero.Init: the same initial weights in every run
     model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
-    trainer = Trainer(model=model, args=args, train_dataset=LongTailedDataset(96, seed=3),
-                      data_collator=collator or pad_collator,
+    trainer_class = Trainer
+    if stage == 3 and balance is not None:
+        from ds_odc.config import BalanceConfig
+        from ds_odc.integration.hf_balance import balanced_loader
+
+        class BalancedZero3Trainer(Trainer):
+            def get_train_dataloader(self):
+                return balanced_loader(self, super().get_train_dataloader(), BalanceConfig(**balance))
+
+        trainer_class = BalancedZero3Trainer
+    trainer = trainer_class(model=model, args=args, train_dataset=LongTailedDataset(96, seed=3),
+                      eval_dataset=LongTailedDataset(16, seed=5), data_collator=collator or pad_collator,
                       callbacks=[Record()])
     trainer.train(resume_from_checkpoint=resume_from)
-    return {"counts": counts, "weights": weights, "losses": losses, "logs": logs,
-            "engine": type(trainer.model_wrapped).__name__}
+    eval_loss = trainer.evaluate()["eval_loss"]
+    trainer.save_model(os.path.join(output_dir, "final"))
+    trainer.accelerator.wait_for_everyone()
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(output_dir, "final", "model.safetensors"))
+    return {"counts": counts, "weights": weights, "losses": losses, "logs": logs, "eval_loss": eval_loss,
+            "saved": saved, "engine": type(trainer.model_wrapped).__name__}
 
 
 def word_tokenizer():

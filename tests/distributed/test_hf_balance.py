@@ -54,6 +54,17 @@ def test_lb_micro_runs_equal_counts_through_the_same_path(runs):
     assert counts[0] == counts[1]
 
 
+def test_lb_micro_slots_run_on_zero3_too_and_lb_mini_there_is_refused(runs, tmp_path):
+    """The benchmark's baseline: ZeRO-3 fed LB-Micro slots (equal counts, so its collectives line up)."""
+    micro = run_ranks(balanced_trainer_run, 2, 3, str(tmp_path / "z3micro"), dict(LB_MINI, policy="lb-micro"), STEPS,
+                      timeout=300)
+    assert micro[0]["engine"] == "DeepSpeedEngine" and micro[0]["counts"] == micro[1]["counts"] == \
+        runs["lb-micro"][0]["counts"]
+    _assert_same_weights(micro[0], runs["zero3"][0], "ZeRO-3 + LB-Micro slots vs ZeRO-3")
+    with pytest.raises(Exception, match="lb-mini.*needs the odc stage"):
+        run_ranks(balanced_trainer_run, 2, 3, str(tmp_path / "z3mini"), LB_MINI, STEPS, timeout=300)
+
+
 @pytest.mark.parametrize("policy", ["lb-mini", "lb-micro"])
 def test_every_step_equals_zero3_and_a_single_process_on_the_same_samples(runs, policy):
     balanced = runs[policy][0]
@@ -64,6 +75,17 @@ def test_every_step_equals_zero3_and_a_single_process_on_the_same_samples(runs, 
         for mine, theirs in zip(balanced["logs"], reference["logs"], strict=True):
             assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_evaluation_and_save_model_keep_working_with_the_balance_block(runs):
+    balanced, zero3 = runs["lb-mini"][0], runs["zero3"][0]
+    assert balanced["eval_loss"] == pytest.approx(zero3["eval_loss"], rel=1e-4)
+    # one process: its weights differ from the distributed runs' by fp32 rounding (~1e-4 relative, see above)
+    assert balanced["eval_loss"] == pytest.approx(runs["single"][0]["eval_loss"], rel=1e-3)
+    assert balanced["saved"].keys() == zero3["saved"].keys()
+    for name, tensor in zero3["saved"].items():
+        torch.testing.assert_close(balanced["saved"][name], tensor, rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(balanced["saved"][name], balanced["weights"][STEPS][name], msg=name)
 
 
 def test_logs_show_each_ranks_micro_batches_and_utilisation(runs):
