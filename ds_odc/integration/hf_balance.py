@@ -75,8 +75,8 @@ class _ReplayedBatches:
     def __init__(self, batches, batch_size, drop_last):
         self.batches, self.batch_size, self.drop_last = batches, batch_size, drop_last
 
-    def __iter__(self):
-        return iter(self.batches)
+    def __iter__(self):  # fresh lists: BatchSamplerShard extends the epoch's last batch in place
+        return iter([list(batch) for batch in self.batches])
 
     def __len__(self):
         return len(self.batches)

@@ -86,7 +86,8 @@ def _full_parameters(model, distributed: bool) -> dict:
 
 def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, steps: int = 5,
                          per_device: int = 4, accumulation: int = 2, world: int | None = None,
-                         collator=None, resume_from: str | None = None, save_steps: int = 0) -> dict:
+                         collator=None, resume_from: str | None = None, save_steps: int = 0,
+                         workers: int = 0) -> dict:
     """Train ``steps`` optimizer steps; record the full weights and the loss after every step and how many
     micro-batches this rank ran in each. ``stage=None``: one plain process without DeepSpeed whose
     accumulation covers ``world`` ranks' batches (the same samples per step)."""
@@ -115,7 +116,7 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0,
         max_grad_norm=0.3,  # below the gradient norms here: every step is clipped
         per_device_eval_batch_size=4, logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=workers,
         remove_unused_columns=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config())  # not under zero.Init: the same initial weights in every run
@@ -130,7 +131,8 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
                 return balanced_loader(self, super().get_train_dataloader(), BalanceConfig(**balance))
 
         trainer_class = BalancedZero3Trainer
-    trainer = trainer_class(model=model, args=args, train_dataset=LongTailedDataset(96, seed=3),
+    # 104 samples: 26 batches of 4, 13 per rank: 6 steps of 2 batches per rank and a last one of 1 (7 an epoch)
+    trainer = trainer_class(model=model, args=args, train_dataset=LongTailedDataset(104, seed=3),
                       eval_dataset=LongTailedDataset(16, seed=5), data_collator=collator or pad_collator,
                       callbacks=[Record()])
     trainer.train(resume_from_checkpoint=resume_from)

@@ -1,6 +1,7 @@
 """An unmodified Trainer with ``zero_optimization.odc.balance``: LB-Mini by config alone.
 
-Runs shared by the tests (2 CPU ranks, a tiny Llama, long-tailed lengths, a padding collator):
+Runs shared by the tests (2 CPU ranks, a tiny Llama, long-tailed lengths, a padding collator; 8 steps
+cross an epoch boundary, after a short last step of the epoch, so set_epoch reshuffling is compared too):
 ODC + LB-Mini, ODC + LB-Micro, plain ZeRO-3 (the Trainer as users run it today), and one plain process
 without DeepSpeed whose accumulation covers both ranks' batches (the same samples per step).
 """
@@ -13,7 +14,7 @@ pytest.importorskip("accelerate")
 from tests.distributed.harness import run_ranks  # noqa: E402
 from tests.distributed.hf_balance_workloads import balanced_trainer_run  # noqa: E402
 
-STEPS = 5
+STEPS = 8  # an epoch is 7 steps (104 samples, 16 per step, the last step 8): this crosses it
 LB_MINI = {"policy": "lb-mini", "token_cap": 48, "cost_model": {"a": 0.02, "b": 1.0}}
 
 
@@ -46,7 +47,8 @@ def test_lb_mini_gives_ranks_different_micro_batch_counts(runs):
     assert all(len(c) == STEPS for c in per_rank)
     assert any(a != b for a, b in zip(*per_rank)), f"every step had equal counts: {per_rank}"
     # the Trainer without the balance block: gradient_accumulation_steps micro-batches everywhere
-    assert all(c == [2] * STEPS for c in (r["counts"] for r in runs["zero3"]))
+    per_epoch = [2] * 6 + [1]  # the epoch's last step has one batch per rank
+    assert all(c == (per_epoch * 2)[:STEPS] for c in (r["counts"] for r in runs["zero3"]))
 
 
 def test_lb_micro_runs_equal_counts_through_the_same_path(runs):
@@ -129,7 +131,7 @@ def test_a_balance_block_on_stage_3_is_refused_at_training_arguments(tmp_path):
 
 
 def test_resume_mid_epoch_continues_with_the_same_samples_and_losses(runs, tmp_path):
-    """Six steps make an epoch here; the checkpoint at step 2 is mid-epoch. The resumed run skips the
+    """Seven steps make an epoch here; the checkpoint at step 2 is mid-epoch. The resumed run skips the
     slots already trained and must see the same samples, hence the uninterrupted run's losses."""
     # arguments: balance, steps, per_device, accumulation, world, collator, resume_from, save_steps
     first = run_ranks(balanced_trainer_run, 2, "odc", str(tmp_path / "first"), LB_MINI, STEPS, 4, 2, None,
@@ -138,10 +140,10 @@ def test_resume_mid_epoch_continues_with_the_same_samples_and_losses(runs, tmp_p
                         None, str(tmp_path / "first" / "checkpoint-2"), timeout=300)
     uninterrupted = runs["lb-mini"][0]
     assert first[0]["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-6)
-    assert sorted(resumed[0]["losses"]) == [3, 4, 5]
+    assert sorted(resumed[0]["losses"]) == list(range(3, STEPS + 1))
     for step, loss in resumed[0]["losses"].items():
         assert loss == pytest.approx(uninterrupted["losses"][step], rel=1e-6), step
-    for step in (3, 4, 5):
+    for step in range(3, STEPS + 1):
         for name, tensor in uninterrupted["weights"][step].items():
             torch.testing.assert_close(resumed[0]["weights"][step][name], tensor, rtol=1e-6, atol=1e-7)
     assert [r["counts"] for r in resumed] == [r["counts"][2:] for r in runs["lb-mini"]]
@@ -156,3 +158,4 @@ def test_a_measured_cost_model_plans_alike_everywhere_and_leaves_no_gradient_beh
     _assert_same_weights(measured[0], runs["zero3"][0], "measured cost model vs ZeRO-3")
     for mine, theirs in zip(measured[0]["logs"], runs["zero3"][0]["logs"], strict=True):
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
