@@ -22,16 +22,16 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+from benchmarks import cells  # noqa: E402
 
 METHODS = [("zero3", "lb-micro"), ("zero3", "local-sort"), ("odc", "lb-micro"), ("odc", "lb-mini")]
 WORLD = 2
@@ -102,30 +102,7 @@ def _run_cell(rank, cell):
 
 
 def run_cell(cell, timeout_s=1800):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, port, cell, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(results) < WORLD:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"cell {cell['label']} did not finish in {timeout_s} s")
-            rank, result = queue.get(timeout=remaining)
-            if "error" in result:
-                raise RuntimeError(f"cell {cell['label']}, rank {rank} failed:\n{result['error']}")
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(WORLD)]
+    return cells.run_cell(_rank_main, WORLD, cell, cell["label"], timeout_s)
 
 
 # -- planning --------------------------------------------------------------------------------------

@@ -30,17 +30,17 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+from benchmarks import cells  # noqa: E402
 
 WORLD = 2
 SCALE = 64
@@ -150,28 +150,8 @@ def _rank_main(rank, port, cell, queue):
         raise
 
 
-def run_cell(cell: dict, timeout_s: float = 1200) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, cell, queue)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    results, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(results) < WORLD:
-            rank, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if "error" in value:
-                raise RuntimeError(f"{cell['method']} rank {rank} failed:\n{value['error']}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(WORLD)]
+def run_cell(cell, timeout_s=1200):
+    return cells.run_cell(_rank_main, WORLD, cell, cell["method"], timeout_s)
 
 
 # -- summary --------------------------------------------------------------------------------------------
