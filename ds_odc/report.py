@@ -98,6 +98,23 @@ def transports() -> Dict[str, Tuple[bool, str]]:
     return found
 
 
+def topology() -> Dict[str, str]:
+    """The layout this process's launcher announces (WORLD_SIZE, LOCAL_WORLD_SIZE), and what ODC makes of it."""
+    from ds_odc.runtime.topology import launcher_topology
+
+    found = launcher_topology(os.environ)
+    if found is None:
+        return {"launcher": "none (WORLD_SIZE unset): one process; under a launcher this shows the job's nodes"}
+    rows = {"launcher": found.describe()}
+    if found.node_count == 1:
+        rows["odc"] = "one node: windows and accumulators over every rank, one-sided within the node"
+    else:
+        rows["odc"] = ("several nodes: not implemented yet, initialize fails naming the hosts; planned layout "
+                       f"(docs/multinode.md): windows and accumulators over the {found.local_world_size} ranks of a "
+                       f"node, optimizer state over all {found.world_size}, one exchange per step between nodes")
+    return rows
+
+
 def control_plane() -> Dict[str, Tuple[bool, str]]:
     """How ranks order their shared control words (release/acquire), without building anything."""
     from ds_odc.comm.ordering import describe
@@ -116,7 +133,7 @@ def ops() -> List[dict]:
 
 def collect() -> dict:
     """Everything the report shows, as plain data (``--json``)."""
-    sections: Dict[str, Callable] = {"versions": versions, "environment": environment,
+    sections: Dict[str, Callable] = {"versions": versions, "environment": environment, "topology": topology,
                                      "transports": transports, "control plane": control_plane, "ops": ops}
     data = {}
     for name, probe in sections.items():
@@ -135,6 +152,7 @@ def _rows(title: str, rows: List[Tuple[str, str]]) -> List[str]:
 def render(data: dict) -> str:
     lines = _rows("ds_odc report: versions", list(data["versions"].items()))
     lines += _rows("environment", list(data["environment"].items()))
+    lines += _rows("topology (ranks per host)", list(data["topology"].items()))
     transport_rows = data["transports"]
     if "error" in transport_rows:
         rows = [("transports", transport_rows["error"])]

@@ -35,6 +35,7 @@ from ds_odc.comm.ordering import memory_ordering
 from ds_odc.comm.segments import (CleanupOnSignal, SegmentSpaceError, create_reserved, free_bytes, map_segment,
                                   segment_path, session_paths, sweep_orphans, unlink_quietly)
 from ds_odc.errors import ODCConfigError, ODCPeerError
+from ds_odc.runtime.topology import Topology
 
 SHM_FIELD = "zero_optimization.odc.shm_dir"
 
@@ -97,10 +98,12 @@ class NodeAllocation:
         tdist.all_gather_object(infos, me, group=self.group)
         self.infos = infos
         self.session = infos[0].session
-        hosts = sorted({info.host for info in infos})
-        if len(hosts) != 1:
-            raise ODCConfigError(f"the odc stage needs every rank on one host today; this job spans hosts {hosts}. "
-                                 "Multi-node jobs need the node-local + inter-node transport (not available yet)")
+        topology = Topology.from_hosts([info.host for info in infos])
+        if topology.node_count != 1:
+            hosts = sorted({info.host for info in infos})
+            raise ODCConfigError(f"the odc stage needs every rank on one host today; this job spans hosts {hosts}: "
+                                 f"{topology.describe()}. Multi-node jobs need the node-local + inter-node "
+                                 "exchange (not available yet; see docs/multinode.md)")
         self._check_capacity()
         sweep_orphans(self.shm_dir)
 

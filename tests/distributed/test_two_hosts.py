@@ -147,3 +147,4 @@ def test_odc_across_two_hosts_fails_at_initialize_naming_the_hosts(hosts, tmp_pa
     for error in errors.values():
         assert error["error"].startswith("ODCConfigError: the odc stage needs every rank on one host today"), error
         assert "['node0', 'node1']" in error["error"], error
+        assert "2 nodes x 2 ranks (node0: ranks 0-1; node1: ranks 2-3)" in error["error"], error

@@ -69,3 +69,12 @@ def test_report_says_how_control_words_are_ordered(report):
     usable, description = data["control plane"]["memory ordering"]
     assert usable and ("release/acquire" in description or "TSO" in description), description
     assert "memory ordering" in text and description in text
+
+
+def test_report_shows_the_topology_a_launcher_announces():
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-m", "ds_odc", "report", "--json"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    rows = json.loads(done.stdout)["topology"]
+    assert rows["launcher"] == "2 nodes x 2 ranks (node0: ranks 0-1; node1: ranks 2-3)"
+    assert "not implemented yet" in rows["odc"] and "optimizer state over all 4" in rows["odc"]
