@@ -44,18 +44,6 @@ DOC_START, DOC_END = "<!-- balance_matrix:start -->", "<!-- balance_matrix:end -
 
 
 # -- ranks -----------------------------------------------------------------------------------------
-def _rank_main(rank, port, cell, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, _run_cell(rank, cell)))
-    except BaseException as error:  # report, never hang the parent
-        import traceback
-        queue.put((rank, {"error": f"{error!r}\n{traceback.format_exc()}"}))
-        raise
-
-
 def _ds_config(engine, metrics):
     zero = {"stage": "odc", "odc": {"metrics": metrics}} if engine == "odc" else {"stage": 3}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -102,7 +90,7 @@ def _run_cell(rank, cell):
 
 
 def run_cell(cell, timeout_s=1800):
-    return cells.run_cell(_rank_main, WORLD, cell, cell["label"], timeout_s)
+    return cells.run_cell(_run_cell, WORLD, cell, cell["label"], timeout_s)
 
 
 # -- planning --------------------------------------------------------------------------------------

@@ -1,18 +1,31 @@
 """Running one benchmark cell: ``world`` fresh spawned processes, results back through a queue.
 
-Fresh processes per cell, so that each cell's peak memory and warm-up are its own. ``rank_main(rank,
-port, cell, queue)`` must put ``(rank, result)`` (a dict; ``{"error": text}`` on failure) and be a
-module-level function (spawn imports it by name).
+Fresh processes per cell, so that each cell's peak memory and warm-up are its own. ``run(rank, cell)``
+returns the rank's result (a dict) and must be a module-level function (spawn imports it by name).
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
+import torch
 import torch.multiprocessing as mp
 
 
-def run_cell(rank_main, world: int, cell: dict, label: str, timeout_s: float) -> list[dict]:
+def _rank_main(run, rank, world, port, cell, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, run(rank, cell)))
+    except BaseException as error:  # report, never hang the parent
+        import traceback
+        queue.put((rank, {"error": f"{error!r}\n{traceback.format_exc()}"}))
+        raise
+
+
+def run_cell(run, world: int, cell: dict, label: str, timeout_s: float) -> list[dict]:
     """Every rank's result, in rank order; raises naming the cell and rank on a failure or timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -20,7 +33,7 @@ def run_cell(rank_main, world: int, cell: dict, label: str, timeout_s: float) ->
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # not daemonic: a rank may start processes of its own (data-loader workers)
-    procs = [ctx.Process(target=rank_main, args=(rank, port, cell, queue)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(run, rank, world, port, cell, queue)) for rank in range(world)]
     for proc in procs:
         proc.start()
     results, deadline = {}, time.monotonic() + timeout_s

@@ -138,20 +138,8 @@ def _run_cell(rank: int, cell: dict) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _rank_main(rank, port, cell, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, _run_cell(rank, cell)))
-    except BaseException as error:  # report, never hang the parent
-        import traceback
-        queue.put((rank, {"error": f"{error!r}\n{traceback.format_exc()}"}))
-        raise
-
-
 def run_cell(cell, timeout_s=1200):
-    return cells.run_cell(_rank_main, WORLD, cell, cell["method"], timeout_s)
+    return cells.run_cell(_run_cell, WORLD, cell, cell["method"], timeout_s)
 
 
 # -- summary --------------------------------------------------------------------------------------------

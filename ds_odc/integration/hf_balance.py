@@ -37,6 +37,7 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slots import BalancedSlot, SlotCollator, SlotDataset, StepPlanner
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost, parse_options
 from ds_odc.errors import ODCConfigError, ODCError
+from ds_odc.integration.hf_cost import measure_cost_model
 
 PATCHED_MODULE = "transformers.trainer"
 PATCHED_METHODS = ("get_train_dataloader", "get_batch_samples", "training_step", "floating_point_ops",
@@ -196,7 +197,7 @@ def balanced_loader(trainer, loader, config: BalanceConfig):
     def planner_for(members, lengths):
         if "planner" not in decided:
             padding = _decide_padding(config, dataset, collate_fn, members, length_of)
-            cost_model = cost_model_of(config) or measured_cost_model(trainer, config)
+            cost_model = cost_model_of(config) or measure_cost_model(trainer, config)
             decided["planner"] = StepPlanner(world_size, rank, config.token_cap, config.policy, cost_model,
                                              padding, config.pad_to_multiple_of)
             if trainer.is_world_process_zero():
@@ -212,12 +213,6 @@ def balanced_loader(trainer, loader, config: BalanceConfig):
     return DataLoaderShard(SlotDataset(dataset), device=loader.device, rng_types=loader.rng_types,
                            synchronized_generator=loader.synchronized_generator, iteration=loader.iteration,
                            batch_sampler=sampler, collate_fn=SlotCollator(collate_fn), **kwargs)
-
-
-def measured_cost_model(trainer, config: BalanceConfig) -> CostModel:
-    from ds_odc.integration.hf_cost import measure_cost_model
-
-    return measure_cost_model(trainer, config)
 
 
 def _get_train_dataloader(original, self):
