@@ -67,12 +67,17 @@ def _describe() -> str:
 
 
 def create_transport(name: str, *, rank: int, world_size: int, timeout_s: float, device: str = "cpu",
-                     shm_dir: str = "/dev/shm", stripe_numel: int = 1 << 20, group=None) -> Transport:
+                     shm_dir: str = "/dev/shm", stripe_numel: int = 1 << 20, group=None,
+                     first_rank: int = 0) -> Transport:
     """Build the transport named in ``odc.transport`` ("auto" picks by the device of the shards:
-    CPU -> "shm", CUDA -> "cuda_ipc"). ``device`` is where the shards live, e.g. "cpu" or "cuda:1"."""
+    CPU -> "shm", CUDA -> "cuda_ipc"). ``device`` is where the shards live, e.g. "cpu" or "cuda:1".
+    ``rank`` and ``world_size`` are within ``group``, the ranks of one node (default: every rank);
+    ``first_rank`` is the job's rank of the node's rank 0, so that errors name job ranks."""
     name = select_transport(name, device)
     if name == "shm":
-        return ShmTransport(rank, world_size, timeout_s, shm_dir=shm_dir, stripe_numel=stripe_numel, group=group)
+        return ShmTransport(rank, world_size, timeout_s, shm_dir=shm_dir, stripe_numel=stripe_numel, group=group,
+                            first_rank=first_rank)
     from ds_odc.comm.cuda_ipc import CudaIpcTransport
 
-    return CudaIpcTransport(rank, world_size, timeout_s, device=device, shm_dir=shm_dir, group=group)
+    return CudaIpcTransport(rank, world_size, timeout_s, device=device, shm_dir=shm_dir, group=group,
+                            first_rank=first_rank)

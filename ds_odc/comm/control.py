@@ -234,16 +234,21 @@ class ControlPlane:
     """
 
     def __init__(self, rank: int, blocks: List[ControlBlock], alive: Callable[[int], bool],
-                 describe: Optional[Callable[[int], str]] = None):
+                 describe: Optional[Callable[[int], str]] = None, first_rank: int = 0):
         self.rank = rank
+        self.first_rank = first_rank  # block r belongs to the job's rank first_rank + r
         self.world_size = len(blocks)
         self.blocks = blocks
         self.me = blocks[rank]
         self._alive = alive
-        self._describe = describe or (lambda r: f"rank {r}")
+        self._describe = describe or (lambda r: f"rank {first_rank + r}")
 
     def peers(self) -> List[int]:
         return [r for r in range(self.world_size) if r != self.rank]
+
+    def job_rank(self, peer: int) -> int:
+        """The job's rank of block ``peer`` (failure records name job ranks)."""
+        return self.first_rank + peer
 
     def alive(self, peer: int) -> bool:
         return self._alive(peer)
@@ -261,7 +266,7 @@ class ControlPlane:
         relayed = None
         for rank in range(self.world_size):
             record = self.failure_of(rank)
-            if record is not None and record.origin == rank:
+            if record is not None and record.origin == self.job_rank(rank):
                 return record
             relayed = relayed or record
         return relayed

@@ -65,8 +65,8 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, device: torch.device | str | int,
                  shm_dir: str = "/dev/shm", group=None, push_threads: int = DEFAULT_THREADS,
-                 push_max_blocks: int = DEFAULT_MAX_BLOCKS):
-        super().__init__(rank, world_size, timeout_s)
+                 push_max_blocks: int = DEFAULT_MAX_BLOCKS, first_rank: int = 0):
+        super().__init__(rank, world_size, timeout_s, first_rank)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"CudaIpcTransport needs a CUDA device, got {device}")
@@ -96,7 +96,8 @@ class CudaIpcTransport(Transport):
         tdist.all_gather_object(devices, me, group=self.group)
         local_uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
         resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
-        allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, {}, self.group)
+        allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, {}, self.group,
+                                    self.first_rank)
         allocation.plan()
         try:
             with allocation.guarded():
@@ -112,7 +113,8 @@ class CudaIpcTransport(Transport):
         self._pull_stream = torch.cuda.Stream(device=self.device)
         self._blocks[self.rank].set_state(State.RUNNING)
         self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
-                                  lambda r: f"rank {r} (pid {allocation.infos[r].pid}, {devices[r].uuid})")
+                                  lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid}, {devices[r].uuid})",
+                                  self.first_rank)
         self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
 
     def _create_windows(self, allocation: NodeAllocation, spec: WindowSpec) -> None:

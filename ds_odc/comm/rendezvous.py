@@ -110,7 +110,7 @@ class Rendezvous:
     # -- waiting ---------------------------------------------------------------------------------------
     def _wait(self, seq: int, step: int, kind: int, n: int, what: str) -> None:
         plane, parity = self.plane, seq % 2
-        here = f"rank {plane.rank} was at round {seq} ({what}, step {step})"
+        here = f"rank {plane.job_rank(plane.rank)} was at round {seq} ({what}, step {step})"
         pending = plane.peers()
         marks = {r: plane.blocks[r].progress_mark() for r in pending}
         last_progress = dict.fromkeys(pending, time.monotonic())
@@ -142,7 +142,7 @@ class Rendezvous:
         message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text(kind)}, step {step}, {n} values) "
                    f"where {here.replace('was at', 'is at')} with {mine[2]} values: the ranks called different things "
                    "(e.g. engine.step() or save_checkpoint() on some ranks only, or a different number of times)")
-        self._fail(message, FailureRecord(peer, step, kind_text(kind), "rounds out of step: " + message))
+        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text(kind), "rounds out of step: " + message))
 
     def _raise_on_failures(self, ranks, here: str) -> None:
         for r in ranks:
@@ -158,11 +158,11 @@ class Rendezvous:
         for r in pending:
             block = plane.blocks[r]
             if block.state() == State.CLOSED:
-                record = FailureRecord(r, step, "its peers waited for it", "closed its engine (engine.destroy())",
+                record = FailureRecord(plane.job_rank(r), step, "its peers waited for it", "closed its engine (engine.destroy())",
                                        FailureKind.CLOSED)
                 self._fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {here}", record)
             if not plane.alive(r):
-                record = FailureRecord(r, step, block.activity_text(),
+                record = FailureRecord(plane.job_rank(r), step, block.activity_text(),
                                        "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
                 self._fail(f"{plane.describe(r)} {record.error} while {record.where}; {here}", record)
             mark = block.progress_mark()
@@ -171,7 +171,7 @@ class Rendezvous:
         stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
         if stalled:
             r = stalled[0]
-            record = FailureRecord(r, step, plane.blocks[r].activity_text(),
+            record = FailureRecord(plane.job_rank(r), step, plane.blocks[r].activity_text(),
                                    f"made no progress for {self.timeout_s:.0f}s", FailureKind.STALLED)
             message = f"{plane.describe(r)} {record.error}; it was last {record.where}; {here}. {TIMEOUT_HINT}"
             self._fail(message, record, timeout=True)

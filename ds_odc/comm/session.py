@@ -75,8 +75,10 @@ class NodeAllocation:
     the windows live elsewhere, as GPU memory does); every rank creates the same kinds and sizes.
     """
 
-    def __init__(self, rank: int, world_size: int, shm_dir: str, width: int, windows: Dict[str, int], group=None):
-        self.rank = rank
+    def __init__(self, rank: int, world_size: int, shm_dir: str, width: int, windows: Dict[str, int], group=None,
+                 first_rank: int = 0):
+        self.rank = rank  # within ``group``: the ranks of one node
+        self.first_rank = first_rank
         self.world_size = world_size
         self.shm_dir = shm_dir
         self.width = width
@@ -90,6 +92,10 @@ class NodeAllocation:
         self._pending: Optional[BaseException] = None
         self._created: List[str] = []
 
+    def name(self, rank: int) -> str:
+        """How errors name the group's rank ``rank``: by its rank in the job."""
+        return f"rank {self.first_rank + rank}"
+
     # -- plan (collective, nothing created yet) ----------------------------------------------------------
     def plan(self) -> None:
         me = RankInfo(socket.gethostname(), os.getpid(), os.stat(self.shm_dir).st_dev, free_bytes(self.shm_dir),
@@ -101,9 +107,8 @@ class NodeAllocation:
         topology = Topology.from_hosts([info.host for info in infos])
         if topology.node_count != 1:
             hosts = sorted({info.host for info in infos})
-            raise ODCConfigError(f"the odc stage needs every rank on one host today; this job spans hosts {hosts}: "
-                                 f"{topology.describe()}. Multi-node jobs need the node-local + inter-node "
-                                 "exchange (not available yet; see docs/multinode.md)")
+            raise ODCConfigError(f"one ODC transport serves the ranks of one host, but these span hosts {hosts}: "
+                                 f"{topology.describe()}; give it the group of one node's ranks")
         self._check_capacity()
         sweep_orphans(self.shm_dir)
 
@@ -151,7 +156,7 @@ class NodeAllocation:
                 create_reserved(path, nbytes)
             except SegmentSpaceError as err:
                 raise ODCConfigError(
-                    f"{SHM_FIELD}={self.shm_dir!r}: no room for rank {self.rank}'s {kind} segment "
+                    f"{SHM_FIELD}={self.shm_dir!r}: no room for {self.name(self.rank)}'s {kind} segment "
                     f"({format_bytes(err.nbytes)}; {format_bytes(free_bytes(self.shm_dir))} free now). Give the job "
                     f"a larger shared-memory filesystem (docker run --shm-size=...) or point {SHM_FIELD} at a tmpfs "
                     "with room.") from None
@@ -184,13 +189,13 @@ class NodeAllocation:
         try:
             tdist.all_gather_object(outcomes, mine, group=self.group)
         except Exception as err:  # noqa: BLE001 - a peer left or stalled: name it from its files
-            raise ODCPeerError(f"rank {self.rank} lost its peers while {doing}: {self.diagnose()}; "
+            raise ODCPeerError(f"{self.name(self.rank)} lost its peers while {doing}: {self.diagnose()}; "
                                f"the process group reported: {err}") from (pending or err)
         if pending is not None:
             raise pending
         failed = {r: o for r, o in enumerate(outcomes) if o.error is not None}
         if failed:
-            text = "; ".join(f"rank {r} ({self.infos[r].host}, pid {self.infos[r].pid}) failed while {doing}: {o.error}"
+            text = "; ".join(f"{self.name(r)} ({self.infos[r].host}, pid {self.infos[r].pid}) failed while {doing}: {o.error}"
                              for r, o in failed.items())
             error_class = ODCConfigError if all(o.config_error for o in failed.values()) else ODCPeerError
             raise error_class(text)
@@ -201,7 +206,7 @@ class NodeAllocation:
         for r in range(self.world_size):
             if r == self.rank:
                 continue
-            who = f"rank {r} (pid {self.infos[r].pid})" if self.infos else f"rank {r}"
+            who = f"{self.name(r)} (pid {self.infos[r].pid})" if self.infos else self.name(r)
             notes.append(f"{who} {self._peer_state(r)}")
         return "; ".join(notes)
 

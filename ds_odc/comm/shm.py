@@ -32,8 +32,8 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, shm_dir: str = "/dev/shm",
-                 stripe_numel: int = 1 << 20, group=None):
-        super().__init__(rank, world_size, timeout_s)
+                 stripe_numel: int = 1 << 20, group=None, first_rank: int = 0):
+        super().__init__(rank, world_size, timeout_s, first_rank)
         self.shm_dir = shm_dir
         self.stripe_numel = stripe_numel
         self.group = group
@@ -48,7 +48,7 @@ class ShmTransport(Transport):
         windows = {"params": spec.param_numel * _itemsize(spec.param_dtype),
                    "grads": spec.grad_numel * _itemsize(spec.grad_dtype)}
         allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, windows,
-                                    self.group)
+                                    self.group, self.first_rank)
         allocation.plan()
         try:
             with allocation.guarded():
@@ -66,7 +66,7 @@ class ShmTransport(Transport):
             raise
         self._blocks[self.rank].set_state(State.RUNNING)
         self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
-                                  lambda r: f"rank {r} (pid {allocation.infos[r].pid})")
+                                  lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid})", self.first_rank)
         self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
 
     def _map_every_rank(self, allocation: NodeAllocation, spec: WindowSpec) -> None:

@@ -46,9 +46,10 @@ class Transport(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float):
-        self.rank = rank
+    def __init__(self, rank: int, world_size: int, timeout_s: float, first_rank: int = 0):
+        self.rank = rank  # among the ranks of this node (the transport's group)
         self.world_size = world_size
+        self.first_rank = first_rank  # the job's rank of this node's rank 0: errors name job ranks
         self.timeout_s = timeout_s
         self.exchanges = 0  # rendezvous rounds so far; tests count them
         self.plane: Optional[ControlPlane] = None  # set by allocate()
@@ -109,6 +110,11 @@ class Transport(abc.ABC):
         """Release windows, files and descriptors (this rank's life lock last). Idempotent."""
 
     # -- control plane (shared by every transport) -------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        """This rank's rank in the job (what errors and failure records name)."""
+        return self.first_rank + self.rank
+
     def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         """Rendezvous round ``kind`` of ``step``: contribute ``values`` (1-D, at most ``exchange_width``)
         and return the ``[world_size, len(values)]`` float64 rows, row r from rank r. A peer that
