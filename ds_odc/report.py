@@ -93,8 +93,8 @@ def transports() -> Dict[str, Tuple[bool, str]]:
                  for name, (ok, reason) in available_transports().items()}
         if found.get("shm", (False,))[0] and found["shm"][1] == "available":
             found["shm"] = _shm_fallback()
-    found.setdefault("multi-node", (False, "not implemented yet: ranks on several hosts fail at initialize "
-                                           "naming the hosts (shm and cuda_ipc serve one node)"))
+    found.setdefault("multi-node", (True, "a transport inside each node, one exchange per step between nodes on "
+                                          "torch.distributed (gloo or NCCL)"))
     return found
 
 
@@ -109,9 +109,13 @@ def topology() -> Dict[str, str]:
     if found.node_count == 1:
         rows["odc"] = "one node: windows and accumulators over every rank, one-sided within the node"
     else:
-        rows["odc"] = ("several nodes: not implemented yet, initialize fails naming the hosts; planned layout "
-                       f"(docs/multinode.md): windows and accumulators over the {found.local_world_size} ranks of a "
-                       f"node, optimizer state over all {found.world_size}, one exchange per step between nodes")
+        try:
+            found.check_multi_node_layout()
+        except ValueError as err:
+            return {**rows, "odc": f"several nodes, refused at initialize: {err}"}
+        rows["odc"] = (f"several nodes: windows and accumulators over the {found.local_world_size} ranks of a node "
+                       f"(one-sided within it), optimizer state over all {found.world_size}, one exchange per step "
+                       f"between nodes on torch.distributed (docs/multinode.md)")
     return rows
 
 

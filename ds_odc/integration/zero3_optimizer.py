@@ -41,9 +41,11 @@ from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
+from ds_odc.integration.nodes import job_nodes, job_store
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepUpdate, WindowLayout
+from ds_odc.runtime.exchange import CrossNodeExchange, FailureBoard
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -126,7 +128,9 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if world != dist.get_world_size():
             raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
                                  "(no model, tensor, pipeline or sequence parallelism yet)")
-        layout = WindowLayout()
+        timeout_s = resolve_timeout_s(self.odc_options.timeout_s)
+        nodes = job_nodes(timeout_s)
+        layout = WindowLayout(nodes.node_count)
         for sub_group in self.fp16_groups:
             for param in sub_group:
                 layout.add_trainable(param.ds_id, param.ds_numel, param.partition_numel())
@@ -139,19 +143,25 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
             raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
 
-        transport = create_transport(self.odc_options.transport, rank=dist.get_rank(group=self.dp_process_group),
-                                     world_size=world,
-                                     timeout_s=resolve_timeout_s(self.odc_options.timeout_s),
-                                     device=str(self.lp_param_buffer.device), shm_dir=self.odc_options.shm_dir,
-                                     stripe_numel=self.odc_options.accumulator_stripe_numel)
+        transport = create_transport(self.odc_options.transport, rank=nodes.local_rank, world_size=nodes.local_world,
+                                     timeout_s=timeout_s, device=str(self.lp_param_buffer.device),
+                                     shm_dir=self.odc_options.shm_dir,
+                                     stripe_numel=self.odc_options.accumulator_stripe_numel,
+                                     group=nodes.node_group, first_rank=nodes.first_rank)
         accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]
-        transport.allocate(WindowSpec(layout.param_numel, compute_dtype, layout.grad_numel,
+        transport.allocate(WindowSpec(layout.window_numel, compute_dtype, layout.accumulator_numel,
                                       ODCRuntime.exchange_width(len(self.fp16_groups)), accumulator_dtype))
-        release_allreduce_buffer(dist.get_rank())  # allocate() ended with a barrier of every rank
-        self.odc = ODCRuntime(transport, layout, self._odc_ledger, on_open=self._odc_publish_rebound_shards)
+        release_allreduce_buffer(dist.get_rank())  # allocate() ended with a barrier of the node's ranks
+        exchange = None
+        if nodes.node_count > 1:
+            exchange = CrossNodeExchange(nodes.cross_group, layout, FailureBoard(job_store(timeout_s), nodes.board_key),
+                                         timeout_s, dist.get_rank(), heartbeat=transport.heartbeat)
+        self.odc = ODCRuntime(transport, layout, self._odc_ledger, on_open=self._odc_publish_rebound_shards,
+                              nodes=exchange)
+        self.odc_nodes = nodes
 
         window = transport.local_param_window()
-        trainable = window.narrow(0, 0, layout.trainable_numel)
+        trainable = window.narrow(0, *layout.trainable_block(nodes.node))
         trainable.copy_(self.lp_param_buffer)
         self.lp_param_buffer = trainable
         self.fp16_partitioned_groups_flat = []
@@ -159,8 +169,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         for sub_group_id in range(len(self.fp16_groups)):
             self._unflatten_partitioned_parameters(sub_group_id)
         for param in frozen:
-            slot = layout.slots[param.ds_id]
-            view = window.narrow(0, slot.param_offset, slot.shard_numel)
+            view = self._odc_window_view(window, param.ds_id)
             view.copy_(param.ds_tensor.data.reshape(-1))
             param.ds_tensor.data = view
 
@@ -169,10 +178,9 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         round runs this before its first rendezvous; in-place writes land in the window already)."""
         window = self.odc.transport.local_param_window()
         for param in self._odc_all_params():
-            slot = self.odc.layout.slots.get(param.ds_id)
-            if slot is None or param.ds_tensor is None:
+            if param.ds_id not in self.odc.layout.slots or param.ds_tensor is None:
                 continue
-            view = window.narrow(0, slot.param_offset, slot.shard_numel)
+            view = self._odc_window_view(window, param.ds_id)
             shard = param.ds_tensor
             if shard.data_ptr() == view.data_ptr() and shard.numel() == view.numel():
                 continue
@@ -182,14 +190,21 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             view.copy_(shard.data.reshape(-1))
             shard.data = view.view(shard.shape)
 
+    def _odc_window_view(self, window: torch.Tensor, key: int) -> torch.Tensor:
+        """This rank's own shard of parameter ``key`` in its window (its node's block)."""
+        slot = self.odc.layout.slots[key]
+        return window.narrow(0, self.odc.layout.param_offset(slot, self.odc_nodes.node), slot.shard_numel)
+
     def _adopt_accumulator_as_grad_buffer(self) -> None:
-        """Let the fp32 accumulator window stand in for ZeRO-3's gradient partition buffer."""
+        """Let this rank's block of the fp32 accumulator window stand in for ZeRO-3's gradient
+        partition buffer."""
         accumulator = self.odc.transport.local_grad_accumulator()
-        self.grad_partitions_flat_buffer = accumulator
+        layout, node = self.odc.layout, self.odc_nodes.node
+        self.grad_partitions_flat_buffer = accumulator.narrow(0, *layout.trainable_block(node))
         views = getattr(self, _GRAD_PARTITIONS)
-        for key, slot in self.odc.layout.slots.items():
+        for key, slot in layout.slots.items():
             if slot.grad_offset is not None:
-                views[key] = accumulator.narrow(0, slot.grad_offset, slot.shard_numel)
+                views[key] = accumulator.narrow(0, layout.grad_offset(slot, node), slot.shard_numel)
 
     # -- backward: push instead of reduce-scatter -------------------------------------------------
     @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.rendezvous import RoundKind
 from ds_odc.comm.transport import Transport
+from ds_odc.runtime.exchange import OneNode
 from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, MicroBatchLedger, Normalisation, StepTotals
 from ds_odc.runtime.step import Phase, StepProtocol, StepUpdate
@@ -24,12 +25,15 @@ class ODCRuntime:
     """Pull / push / step for one data-parallel group."""
 
     def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
-                 on_open: Optional[Callable[[], None]] = None):
+                 on_open: Optional[Callable[[], None]] = None, nodes=None):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
-        self.world_size = transport.world_size
-        self.protocol = StepProtocol(transport, ledger, on_open)
+        self.nodes = nodes or OneNode()
+        if self.nodes.node_count != layout.node_count:
+            raise ValueError(f"a layout of {layout.node_count} node blocks with an exchange of {self.nodes.node_count} nodes")
+        self.world_size = transport.world_size * layout.node_count  # ZeRO-3's partitions: one per rank of the job
+        self.protocol = StepProtocol(transport, ledger, on_open, self.nodes)
         self.pulls = 0  # parameters pulled, for tests and metrics
         self.pushes = 0  # gradients pushed
 
@@ -51,9 +55,8 @@ class ODCRuntime:
         """Fill ``out`` (flat, ``numel`` elements, compute dtype) with the full parameter ``key``,
         reading each owner's shard from its window."""
         self.protocol.before_pull()
-        slot = self.layout.slots[key]
-        for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-            self.transport.read(owner, slot.param_offset, out.narrow(0, start, count))
+        for local, offset, start, count in self._param_pieces(key):
+            self.transport.read(local, offset, out.narrow(0, start, count))
         self.pulls += 1
         self.transport.heartbeat()
         return out
@@ -67,13 +70,20 @@ class ODCRuntime:
         self.protocol.before_pull()
         reads = []
         for key, out in zip(keys, outs):
-            slot = self.layout.slots[key]
-            for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-                reads.append(Transfer(owner, slot.param_offset, out.narrow(0, start, count)))
+            for local, offset, start, count in self._param_pieces(key):
+                reads.append(Transfer(local, offset, out.narrow(0, start, count)))
         handle = self.transport.read_many(reads)
         self.pulls += len(keys)
         self.transport.heartbeat()
         return handle
+
+    def _param_pieces(self, key: int):
+        """``(rank on this node, window offset, start, count)`` of every owner's shard of ``key``: the
+        owner itself on one node; on several, the node's rank holding that owner's block."""
+        slot = self.layout.slots[key]
+        for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
+            node, local = divmod(owner, self.transport.world_size)
+            yield local, self.layout.param_offset(slot, node), start, count
 
     def push(self, key: int, grad: torch.Tensor) -> None:
         """Add the full flat gradient of parameter ``key``, divided by the world size, into its
@@ -92,7 +102,8 @@ class ODCRuntime:
             if self.world_size > 1:
                 grad.div_(self.world_size)
             for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-                self.transport.accumulate(owner, slot.grad_offset, grad.narrow(0, start, count))
+                node, local = divmod(owner, self.transport.world_size)
+                self.transport.accumulate(local, self.layout.grad_offset(slot, node), grad.narrow(0, start, count))
         self.pushes += 1
         self.transport.heartbeat()
 

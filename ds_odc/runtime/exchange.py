@@ -1,69 +1,223 @@
-"""Between nodes, one exchange per step (the multi-node plan, ``docs/multinode.md``; not yet used by the engine).
+"""Between nodes, one exchange per step (``docs/multinode.md``).
 
-Inside a node, ODC shards the windows and the fp32 gradient accumulators over the node's ranks. The
-ranks that hold the same node-local shard on every node (a ``cross_group``, one rank per node) then
-share that shard's step:
+Inside a node, the ranks' windows and accumulators hold every shard of the job between them, one
+block per node (:mod:`ds_odc.runtime.layout`): local rank ``l`` holds the blocks of the ranks with
+local rank ``l`` on every node, its ``cross_group``. Pulls and pushes stay inside the node. At the
+step, after the node's fence, each cross group (one rank per node, in node order) runs:
 
-1. :meth:`CrossNodeExchange.summarise`: one all-reduce on the world group of a few numbers every rank
-   contributes (micro-batch and token counts, squared-norm partials, failure and overflow flags);
-2. :meth:`CrossNodeExchange.reduce_scatter`: the accumulator shard summed over the nodes, each rank
-   keeping its ``1/n_nodes`` slice (so ``1/world`` of every parameter: where its fp32 master weights
-   and optimizer state live);
-3. the caller updates its slice;
-4. :meth:`CrossNodeExchange.all_gather`: every rank's updated slice, in the compute dtype, back into
-   the node-local shard.
+1. :meth:`CrossNodeExchange.job_rows`: the node's fence rows (micro-batch and token counts of each
+   rank), gathered into the job's rows, so that normalisation sees every node's micro-batches;
+2. :meth:`CrossNodeExchange.reduce_gradients`: a reduce-scatter of the accumulator's blocks, after
+   which this rank's own block holds the job's sum of its ZeRO-3 partition (its ``1/world``: where
+   its fp32 master weights and optimizer state live, as in ZeRO-3), and the other blocks are zero;
+3. :meth:`CrossNodeExchange.job_sum`: the node's squared-norm partials summed over the nodes;
+4. (the caller updates its own block);
+5. :meth:`CrossNodeExchange.gather_windows`: an all-gather of every rank's updated block, bytes as
+   they are, into the window.
 
-Three collectives per step, whatever the number of layers, parameters and micro-batches, all on
-``torch.distributed`` (gloo on CPU, NCCL on GPU). A shard whose size does not divide by the number of
-nodes is padded with zeros at its end; the padding never reaches a caller.
+Four collectives per step, on ``torch.distributed`` (gloo on CPU, NCCL on GPU), whatever the number of
+layers, parameters and micro-batches. Every wait in them is bounded and watches the job's
+:class:`FailureBoard`, so a rank that fails (or sees a node peer die) on one node makes the ranks of
+every other node raise naming it, instead of waiting out a collective that will never complete.
+:class:`OneNode` is the same interface with nothing to exchange.
 """
 from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.control import FailureKind, FailureRecord
+from ds_odc.errors import ODCPeerError, ODCTimeoutError
+from ds_odc.runtime.layout import WindowLayout
+
+
+#: How long a broken collective waits for the board to say why (a node names a dead rank within
+#: milliseconds; its ranks may be busy for a while before their next round notices it).
+CAUSE_GRACE_S = 10.0
+
+
+class OneNode:
+    """Every rank on one node: the node's rounds already see the whole job."""
+
+    node_count = 1
+    node = 0
+    collectives = 0
+
+    def job_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def job_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def reduce_gradients(self, accumulator: torch.Tensor) -> None:
+        pass
+
+    def gather_windows(self, window: torch.Tensor, frozen: bool = False) -> None:
+        pass
+
+    def announce(self, record: FailureRecord) -> None:
+        pass
+
+
+class FailureBoard:
+    """The job's first failure, where every node can read it: a key in the job's key-value store
+    (the ``torch.distributed`` rendezvous store, reachable from every node).
+
+    A node's ranks learn of each other's failures from their shared control blocks; the board carries
+    one of them to the other nodes, whose ranks may be waiting in a cross-node collective for a rank
+    that will never join it."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+
+    def post(self, record: FailureRecord) -> None:
+        text = f"{record.origin}\n{record.step}\n{int(record.kind)}\n{record.where}\n{record.error}"
+        try:
+            if not self.store.check([self.key]):
+                self.store.set(self.key, text)
+        except Exception:  # noqa: BLE001 - the store's host is gone: the others find out by themselves
+            pass
+
+    def read(self) -> Optional[FailureRecord]:
+        """The posted failure, or None. Raises ODCPeerError if the store itself cannot be reached
+        (its host, node 0's, is gone)."""
+        try:
+            if not self.store.check([self.key]):
+                return None
+            raw = self.store.get(self.key).decode("utf-8", "replace")
+        except Exception as err:  # noqa: BLE001
+            raise ODCPeerError(f"the job's store (on node 0) cannot be reached: node 0 or its rank 0 is gone ({err})",
+                               None) from err
+        origin, step, kind, where, error = raw.split("\n", 4)
+        return FailureRecord(int(origin), int(step), where, error, FailureKind(int(kind)))
+
 
 class CrossNodeExchange:
-    """The step's collectives between nodes, for one rank (``cross_group``: the ranks holding the same
-    node-local shard, one per node, in node order)."""
+    """The step's collectives between nodes, for one rank (see the module docstring).
 
-    def __init__(self, cross_group, world_group=None):
-        self.cross_group, self.world_group = cross_group, world_group
-        self.nodes = tdist.get_world_size(cross_group)
+    ``cross_group``: this rank's cross-node group, one rank per node in node order (this rank is the
+    ``node``-th); ``layout``: the window layout (its ``node_count`` blocks); ``board``: where failures
+    are posted; ``timeout_s``: how long a collective may wait for the other nodes; ``rank``: this
+    rank in the job; ``heartbeat``: called while waiting (the node's rounds watch progress)."""
+
+    def __init__(self, cross_group, layout: WindowLayout, board: FailureBoard, timeout_s: float, rank: int,
+                 heartbeat: Callable[[], None] = lambda: None):
+        self.cross_group, self.layout, self.board = cross_group, layout, board
+        self.heartbeat = heartbeat  # node peers waiting for this rank at a round must see it alive
+        self.node_count = tdist.get_world_size(cross_group)
         self.node = tdist.get_rank(cross_group)
+        self.timeout_s, self.rank = timeout_s, rank
+        self.blocking_waits = tdist.get_backend(cross_group) == "gloo"
         self.collectives = 0  # issued so far: a test counts them per step
+        if self.node_count != layout.node_count:
+            raise ValueError(f"cross-node group of {self.node_count} ranks for a layout of {layout.node_count} nodes")
 
-    def slice_bounds(self, numel: int) -> tuple[int, int]:
-        """This rank's slice of a node-local shard of ``numel`` elements (the last slices may be short)."""
-        chunk = -(-numel // self.nodes)
-        start = min(numel, self.node * chunk)
-        return start, min(numel, start + chunk)
+    def job_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every node's ``rows`` (one per local rank), stacked in node order: one row per job rank."""
+        rows = rows.contiguous()
+        out = torch.empty((self.node_count * rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype)
+        self._run(tdist.all_gather_into_tensor(out, rows, group=self.cross_group, async_op=True),
+                  "gathering every node's micro-batch counts")
+        return out
 
-    def summarise(self, values: torch.Tensor) -> torch.Tensor:
-        """The sum over every rank of the world of a small vector (counts, norm partials, flags)."""
+    def job_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the nodes (each node contributes its node-wide partial)."""
         total = values.clone()
-        tdist.all_reduce(total, group=self.world_group)
-        self.collectives += 1
+        self._run(tdist.all_reduce(total, group=self.cross_group, async_op=True), "summing the gradient norm over nodes")
         return total
 
-    def reduce_scatter(self, shard: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``shard`` (1-D) summed over the nodes."""
-        chunk = -(-shard.numel() // self.nodes)
-        padded = torch.zeros(chunk * self.nodes, dtype=shard.dtype, device=shard.device)
-        padded[:shard.numel()] = shard
-        out = torch.empty(chunk, dtype=shard.dtype, device=shard.device)
-        tdist.reduce_scatter_tensor(out, padded, group=self.cross_group)
-        self.collectives += 1
-        start, stop = self.slice_bounds(shard.numel())
-        return out[:stop - start]
+    def reduce_gradients(self, accumulator: torch.Tensor) -> None:
+        """Sum every node's accumulator blocks: this rank's own block becomes the job's sum for its
+        partition, the others zero (so calling it again, after more pushes, stays exact)."""
+        offset, numel = self.layout.trainable_block(0)
+        blocks = accumulator.narrow(0, offset, numel * self.node_count)
+        mine = torch.empty(numel, dtype=accumulator.dtype, device=accumulator.device)
+        self._run(tdist.reduce_scatter_tensor(mine, blocks, group=self.cross_group, async_op=True),
+                  "summing gradients over nodes")
+        accumulator.zero_()
+        accumulator.narrow(0, *self.layout.trainable_block(self.node)).copy_(mine)
 
-    def all_gather(self, updated: torch.Tensor, shard: torch.Tensor) -> None:
-        """Write every node's updated slice (``updated``: this rank's, any dtype) into ``shard`` (1-D,
-        the node-local shard in its own dtype, e.g. the window)."""
-        chunk = -(-shard.numel() // self.nodes)
-        mine = torch.zeros(chunk, dtype=shard.dtype, device=shard.device)
-        mine[:updated.numel()] = updated.to(shard.dtype)
-        gathered = torch.empty(chunk * self.nodes, dtype=shard.dtype, device=shard.device)
-        tdist.all_gather_into_tensor(gathered, mine, group=self.cross_group)
+    def gather_windows(self, window: torch.Tensor, frozen: bool = False) -> None:
+        """Copy every node's own trainable block (and with ``frozen``, frozen block) into this rank's
+        window, bytes as they are (no collective arithmetic on the compute dtype)."""
+        regions = [self.layout.trainable_block] + ([self.layout.frozen_block] if frozen else [])
+        for block in regions:
+            offset, numel = block(0)
+            if numel == 0:
+                continue
+            everything = window.narrow(0, offset, numel * self.node_count).view(torch.uint8)
+            mine = window.narrow(0, *block(self.node)).view(torch.uint8).clone()
+            self._run(tdist.all_gather_into_tensor(everything, mine, group=self.cross_group, async_op=True),
+                      "gathering updated shards from every node")
+
+    def announce(self, record: FailureRecord) -> None:
+        """This node's ranks cannot continue: tell every node."""
+        self.board.post(record)
+
+    def _run(self, work, doing: str) -> None:
+        """Wait for ``work``, watching the board; bounded by ``timeout_s``.
+
+        gloo runs some collectives (reduce-scatter) inside ``wait()`` and never reports them complete
+        before, so on gloo a helper thread waits and this thread watches it. If the exchange fails,
+        that thread stays blocked until the group's own timeout ends the collective (timeout_s plus a
+        minute); the engine is failed by then. On NCCL, ``wait()`` only orders the current stream
+        after the collective, so the collective's completion is polled instead."""
         self.collectives += 1
-        shard.copy_(gathered[:shard.numel()])
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        if self.blocking_waits:
+            outcome: list = []
+            waiter = threading.Thread(target=_wait_into, args=(work, outcome), daemon=True,
+                                      name="ds_odc-cross-node-wait")
+            waiter.start()
+            finished = lambda: not waiter.is_alive()  # noqa: E731
+        else:
+            finished = work.is_completed
+        while not finished():
+            record = self.board.read()
+            if record is not None:
+                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record)
+            if time.monotonic() > deadline:
+                record = FailureRecord(self.rank, 0, doing, f"waited {self.timeout_s:.0f}s for the other nodes' ranks "
+                                       f"of its cross-node group", FailureKind.STALLED)
+                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for the other nodes while {doing}: "
+                                      "a rank there is stuck or its node is gone (zero_optimization.odc.timeout_s)",
+                                      record)
+            self.heartbeat()
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        try:
+            if not self.blocking_waits:
+                work.wait()
+            elif outcome:
+                raise outcome[0]
+        except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
+            record = self._cause(min(CAUSE_GRACE_S, self.timeout_s))
+            if record is not None:
+                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record) from err
+            raise ODCPeerError(f"rank {self.rank} lost the other nodes while {doing}: {err}", None) from err
+
+    def _cause(self, grace_s: float) -> Optional[FailureRecord]:
+        """The board's record, waiting up to ``grace_s`` for it: a collective breaks as soon as a peer's
+        connection closes, a little before that peer's node has named what happened to it."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                record = self.board.read()
+            except ODCPeerError:
+                return None
+            if record is not None or time.monotonic() > deadline:
+                return record
+            self.heartbeat()
+            time.sleep(0.01)
+
+
+def _wait_into(work, outcome: list) -> None:
+    try:
+        work.wait()
+    except Exception as err:  # noqa: BLE001 - handed to the watching thread
+        outcome.append(err)

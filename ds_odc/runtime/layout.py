@@ -11,6 +11,21 @@ Worked example, world 2, parameters A (5 elements, trainable), B (4, trainable),
     param window: [A0 A1 A2 | B0 B1 | C0 C1]          offsets A 0, B 3, C 5   (7 elements)
     accumulator:  [A0 A1 A2 | B0 B1]                  offsets A 0, B 3        (5 elements, fp32)
     owner_slices(A): rank 0 holds A[0:3], rank 1 holds A[3:5] (+1 padding element)
+
+On several nodes (``docs/multinode.md``) ZeRO-3 still partitions over every rank of the job, and the
+ranks of one node must hold every shard between them, so that pulls and pushes never leave the node.
+Local rank ``l`` of each node holds the shards of the ranks with local rank ``l`` on every node (its
+cross-node group), one *block* per node: the parameter window is ``node_count`` trainable blocks
+(block ``n`` is the flat buffer of rank ``n * local_world + l``) followed by ``node_count`` frozen
+blocks, and the accumulator is ``node_count`` trainable blocks. A rank's own shards are its node's
+block; with one node there is one block and the layout above is unchanged. The blocks of the
+trainable region are contiguous, so the step's reduce-scatter and all-gather over the cross-node
+group each run on one tensor::
+
+    world 4 = 2 nodes x 2, parameter A (5 elements, shard_numel 2), trainable_numel 2
+    owner_slices(A): ranks 0..2 hold A[0:2], A[2:4], A[4:5]
+    local rank 0's window: [A0 A1 | A4 pad]   (rank 0's block, then rank 2's)
+    local rank 1's window: [A2 A3 | pad pad]  (rank 1's block, then rank 3's)
 """
 from __future__ import annotations
 
@@ -51,7 +66,8 @@ class WindowLayout:
     trainable part of the parameter window *is* that flat buffer; frozen shards follow.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, node_count: int = 1) -> None:
+        self.node_count = node_count
         self.slots: Dict[int, ShardSlot] = {}
         self.trainable_numel = 0
         self.frozen_numel = 0
@@ -77,3 +93,37 @@ class WindowLayout:
     @property
     def grad_numel(self) -> int:
         return self.trainable_numel
+
+    # -- node blocks (one per node; see the module docstring) -------------------------------------------
+    @property
+    def window_numel(self) -> int:
+        """Elements of one rank's parameter window: a block per node, trainable blocks first."""
+        return self.param_numel * self.node_count
+
+    @property
+    def accumulator_numel(self) -> int:
+        return self.grad_numel * self.node_count
+
+    def param_offset(self, slot: ShardSlot, node: int) -> int:
+        """Offset of ``slot``'s shard of the rank with this local rank on ``node``, in the window.
+
+        >>> layout = WindowLayout(node_count=2)
+        >>> a, c = layout.add_trainable(1, 5, 2), layout.add_frozen(2, 3, 1)
+        >>> [layout.param_offset(a, n) for n in (0, 1)], [layout.param_offset(c, n) for n in (0, 1)]
+        ([0, 2], [4, 5])
+        """
+        if slot.grad_offset is not None:
+            return node * self.trainable_numel + slot.param_offset
+        return self.node_count * self.trainable_numel + node * self.frozen_numel + slot.param_offset - self.trainable_numel
+
+    def grad_offset(self, slot: ShardSlot, node: int) -> int:
+        """Offset of ``slot``'s gradient shard of the rank with this local rank on ``node``, in the accumulator."""
+        return node * self.trainable_numel + slot.grad_offset
+
+    def trainable_block(self, node: int) -> tuple[int, int]:
+        """``(offset, numel)`` of ``node``'s trainable block in the window and in the accumulator."""
+        return node * self.trainable_numel, self.trainable_numel
+
+    def frozen_block(self, node: int) -> tuple[int, int]:
+        """``(offset, numel)`` of ``node``'s frozen block in the window."""
+        return self.node_count * self.trainable_numel + node * self.frozen_numel, self.frozen_numel

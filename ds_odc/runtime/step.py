@@ -67,6 +67,7 @@ from ds_odc.comm.rendezvous import RoundKind
 from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash
+from ds_odc.runtime.exchange import OneNode
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 
 
@@ -180,9 +181,10 @@ class StepProtocol:
     """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
 
     def __init__(self, transport: Transport, ledger: MicroBatchLedger,
-                 on_open: Optional[Callable[[], None]] = None):
+                 on_open: Optional[Callable[[], None]] = None, nodes=None):
         self.transport = transport
         self.ledger = ledger
+        self.nodes = nodes or OneNode()  # the exchange with the other nodes (none on one node)
         self.on_open = on_open  # publishes this rank's shards written since the windows were made
         self.opened = False
         self._discarded: Optional[torch.Tensor] = None  # see discard_gradients
@@ -223,9 +225,9 @@ class StepProtocol:
         self._open()
         self.machine.advance(Event.BEGIN_STEP)
         with self.failing_group():
-            rows = self.round(RoundKind.FENCE, self.ledger.fence_vector())
+            rows = self.nodes.job_rows(self.round(RoundKind.FENCE, self.ledger.fence_vector()))
             totals = MicroBatchLedger.totals(rows)
-            divisor = totals.gradient_divisor(self.transport.world_size, update.gradient_accumulation_steps)
+            divisor = totals.gradient_divisor(len(rows), update.gradient_accumulation_steps)
             self.ledger.reset()
             self.last_totals = totals
             self.machine.advance(Event.FENCED)
@@ -233,12 +235,14 @@ class StepProtocol:
             discarded, self._discarded = self._discarded, None
             if discarded is not None and totals.total_micro_batches == 0:
                 accumulator.copy_(discarded)  # ZeRO-3 steps on the partitions zero_grad left in place
+            self.nodes.reduce_gradients(accumulator)
             if divisor != 1.0:
                 accumulator.div_(divisor)
             rows = self.round(RoundKind.NORM, update.squared_norms().to(torch.float64))
             self.machine.advance(Event.NORMED)
             self._note(Activity.UPDATING, force=True)
-            update.apply(GlobalNorms(rows.sum(0)))
+            update.apply(GlobalNorms(self.nodes.job_sum(rows.sum(0))))
+            self.nodes.gather_windows(self.transport.local_param_window())
             self.machine.advance(Event.UPDATED)
             accumulator.zero_()
             self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
@@ -255,13 +259,17 @@ class StepProtocol:
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
+            if kind is RoundKind.WINDOWS_REWRITTEN:
+                self.nodes.gather_windows(self.transport.local_param_window(), frozen=True)
             self.round(kind, torch.zeros(0, dtype=torch.float64), what)
         self._note(previous, force=True)
 
     def sync_gradients(self, what: str) -> None:
         """A gradient fence without a step: afterwards this owner's accumulator holds every rank's
-        pushes so far (see the module docstring). Collective."""
+        pushes so far (see the module docstring), on several nodes summed over them. Collective."""
         self.meet(RoundKind.GRADIENT_FENCE, what)
+        with self.failing_group(what):
+            self.nodes.reduce_gradients(self.transport.local_grad_accumulator())
 
     def discard_gradients(self, what: str) -> None:
         """Drop every rank's gradients since the last step (collective): fence, zero this owner's
@@ -293,6 +301,7 @@ class StepProtocol:
         with self.failing_group(RoundKind.OPEN.text):
             if self.on_open is not None:
                 self.on_open()
+            self.nodes.gather_windows(self.transport.local_param_window(), frozen=True)
             self.round(RoundKind.OPEN, torch.zeros(0, dtype=torch.float64))
 
     @contextlib.contextmanager
@@ -326,12 +335,13 @@ class StepProtocol:
         if self.phase in (Phase.FAILED, Phase.CLOSED):
             return
         record = getattr(err, "record", None) or \
-            FailureRecord(self.transport.rank, self.step_number, where, f"{type(err).__name__}: {err}")
+            FailureRecord(self.transport.global_rank, self.step_number, where, f"{type(err).__name__}: {err}")
         self.failure = record
         self.transport.mark_failed(record)
+        self.nodes.announce(record)
         self.machine.advance(Event.FAIL)
         if hasattr(err, "add_note"):
-            err.add_note(f"ds_odc: rank {self.transport.rank} marked the ODC group failed (its peers raise at their "
+            err.add_note(f"ds_odc: rank {self.transport.global_rank} marked the ODC group failed (its peers raise at their "
                          "next rendezvous); this engine cannot continue: call engine.destroy()")
 
     def _usable(self) -> None:

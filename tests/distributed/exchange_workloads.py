@@ -1,16 +1,25 @@
-"""What the ranks run in the cross-node exchange tests: 4 ranks as 2 nodes of 2 (one host, gloo)."""
+"""What the ranks run in the cross-node exchange tests: 4 ranks of one host as 2 nodes of 2 (gloo).
+
+The exchange sees nodes only through its cross-node group and the window layout, so one host can
+stand in for two here; test_two_hosts.py runs it between real hosts inside the engine."""
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as tdist
 
-from ds_odc.runtime.exchange import CrossNodeExchange
+from ds_odc.comm.control import FailureRecord
+from ds_odc.integration.nodes import job_store
+from ds_odc.runtime.exchange import CrossNodeExchange, FailureBoard
+from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.topology import Topology
 
 NODES, LOCAL = 2, 2
+TRAINABLE, FROZEN = (5, 3), (2,)  # shard sizes of the layout's parameters
 
 
-def _groups():
+def _exchange(timeout_s: float = 30.0, key: str = "exchange-test"):
     topology = Topology.from_launcher(NODES * LOCAL, LOCAL)
     rank = tdist.get_rank()
     cross = None
@@ -18,29 +27,62 @@ def _groups():
         group = tdist.new_group(list(topology.cross_group(local_rank)))
         if local_rank == topology.local_rank(rank):
             cross = group
-    return topology, cross
+    layout = WindowLayout(node_count=NODES)
+    for key_, shard in enumerate(TRAINABLE):
+        layout.add_trainable(key_, shard * NODES * LOCAL, shard)
+    for key_, shard in enumerate(FROZEN, start=len(TRAINABLE)):
+        layout.add_frozen(key_, shard * NODES * LOCAL, shard)
+    beats = []
+    exchange = CrossNodeExchange(cross, layout, FailureBoard(job_store(timeout_s), f"ds_odc/{key}/failure"),
+                                 timeout_s, rank, heartbeat=lambda: beats.append(1))
+    return topology, layout, exchange, beats
 
 
-def one_step(numel: int, steps: int = 1) -> dict:
-    """Each rank holds a node-local accumulator shard (its node's sum for that shard) of ``numel``
-    elements; the step sums it over nodes, updates this rank's slice (SGD on an fp32 master slice) and
-    gathers the bf16 result into the window shard. Returns what a single process can check."""
-    topology, cross = _groups()
+def _values(rank: int, numel: int, salt: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * salt + rank), dtype=torch.float64)
+
+
+def one_step() -> dict:
+    """Accumulators of node partials, summed twice (more pushes after a first sum), windows gathered,
+    counts and norms combined; returns what a single process can check."""
+    topology, layout, exchange, _ = _exchange()
     rank = tdist.get_rank()
-    exchange = CrossNodeExchange(cross)
-    local = topology.local_rank(rank)
-    window = torch.zeros(numel, dtype=torch.bfloat16)
-    start, stop = exchange.slice_bounds(numel)
-    master = torch.zeros(stop - start, dtype=torch.float32)
-    per_step = []
-    for step in range(steps):
-        before = exchange.collectives
-        accumulator = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + rank))
-        tokens = torch.tensor([float(10 + rank)], dtype=torch.float64)
-        total_tokens = exchange.summarise(tokens)
-        summed = exchange.reduce_scatter(accumulator)
-        master -= 0.1 * summed / total_tokens.to(torch.float32)
-        exchange.all_gather(master, window)
-        per_step.append(exchange.collectives - before)
-    return {"local": local, "node": topology.node_of(rank), "bounds": (start, stop), "window": window,
-            "total_tokens": float(total_tokens), "collectives_per_step": per_step}
+    node = topology.node_of(rank)
+    accumulator = _values(rank, layout.accumulator_numel, 0)
+    exchange.reduce_gradients(accumulator)
+    after_first = accumulator.clone()
+    accumulator += _values(rank, layout.accumulator_numel, 1)  # pushes after a gradient read
+    before = exchange.collectives
+    exchange.reduce_gradients(accumulator)
+    window = torch.full((layout.window_numel,), -1.0, dtype=torch.bfloat16)
+    window.narrow(0, *layout.trainable_block(node)).fill_(rank + 0.5)
+    window.narrow(0, *layout.frozen_block(node)).fill_(-(rank + 0.5))
+    exchange.gather_windows(window, frozen=True)
+    rows = exchange.job_rows(torch.tensor([[float(rank), 1.0]] * LOCAL, dtype=torch.float64))
+    norm = exchange.job_sum(torch.tensor([float(node + 1)], dtype=torch.float64))
+    return {"node": node, "local": topology.local_rank(rank), "after_first": after_first, "accumulator": accumulator,
+            "window": window, "rows": rows, "norm": float(norm), "step_collectives": exchange.collectives - before}
+
+
+def failure_reaches_the_other_node(how: str, timeout_s: float) -> dict:
+    """Rank 3 fails (``how="posted"``: it posts a failure record, as a rank whose node lost a peer
+    does) or never joins (``"silent"``); the others enter the exchange. Returns the error each gets
+    and how long it waited. Rank 0's process holds the store: every rank stays until rank 1 is done."""
+    _, layout, exchange, beats = _exchange(timeout_s, key=f"failure-{how}")
+    rank = tdist.get_rank()
+    hold_s = 5.0 if how == "posted" else timeout_s + 3
+    if rank == 3:
+        if how == "posted":
+            exchange.announce(FailureRecord(3, 7, "the step fence", "RuntimeError: injected"))
+        time.sleep(hold_s)  # never joins
+        return {"rank": rank}
+    start = time.monotonic()
+    try:
+        exchange.reduce_gradients(torch.zeros(layout.accumulator_numel, dtype=torch.float64))
+        result = {"rank": rank, "error": None}
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result = {"rank": rank, "error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start,
+                  "origin": getattr(getattr(err, "record", None), "origin", None), "heartbeats": len(beats)}
+    if rank != 1:  # ranks 0 and 2 meet each other (or see the board): rank 1 waits for rank 3
+        time.sleep(hold_s)
+    return result

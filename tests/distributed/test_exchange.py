@@ -1,30 +1,54 @@
-"""The cross-node step exchange on real gloo groups: 4 ranks of one host as 2 nodes of 2."""
-import pytest
+"""The cross-node step exchange on real gloo groups and a real store: 4 ranks of one host as 2 nodes of 2."""
 import torch
 
-from tests.distributed.exchange_workloads import LOCAL, NODES, one_step
+from tests.distributed.exchange_workloads import LOCAL, NODES, _values, failure_reaches_the_other_node, one_step
 from tests.distributed.harness import run_ranks
 
-
-@pytest.mark.parametrize("numel", [8, 7, 1])
-def test_slices_are_summed_over_nodes_updated_and_gathered_back(numel):
-    """A shard that does not divide by the nodes (7, and 1 with an empty slice) must come out exact."""
-    results = run_ranks(one_step, NODES * LOCAL, numel, 2, timeout=120)
-    total_tokens = float(sum(10 + r for r in range(NODES * LOCAL)))
-    for local in range(LOCAL):
-        ranks = [r for r in range(NODES * LOCAL) if results[r]["local"] == local]
-        # what one process computes: the shard summed over the nodes holding it, SGD on fp32, cast to bf16
-        master = torch.zeros(numel)
-        for step in range(2):
-            summed = sum(torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + r)) for r in ranks)
-            master -= 0.1 * summed / total_tokens
-        for r in ranks:
-            assert torch.equal(results[r]["window"], master.to(torch.bfloat16)), (local, r)
-        bounds = sorted(results[r]["bounds"] for r in ranks)
-        assert bounds[0][0] == 0 and bounds[-1][1] == numel and bounds[0][1] == bounds[1][0]
-    assert all(r["total_tokens"] == total_tokens for r in results)
+WORLD = NODES * LOCAL
 
 
-def test_three_collectives_per_step_whatever_the_size():
-    small, large = (run_ranks(one_step, NODES * LOCAL, numel, 3, timeout=120) for numel in (8, 4096))
-    assert all(r["collectives_per_step"] == [3, 3, 3] for r in small + large)
+def test_gradients_summed_over_nodes_into_each_owner_block_and_windows_gathered():
+    results = run_ranks(one_step, WORLD, timeout=120)
+    for rank, result in enumerate(results):
+        node, local = result["node"], result["local"]
+        cross = [r for r in range(WORLD) if r % LOCAL == local]
+        block = result["accumulator"].numel() // NODES
+        for salt, key in ((None, "after_first"), (1, "accumulator")):
+            # this rank's block: the sum over its cross group of that block; the other blocks: zero
+            expected = torch.zeros_like(result["accumulator"])
+            mine = slice(node * block, (node + 1) * block)
+            expected[mine] = sum(_values(r, NODES * block, 0)[mine] for r in cross)
+            if salt is not None:
+                expected[mine] += sum(_values(r, NODES * block, salt)[mine] for r in cross)
+            torch.testing.assert_close(result[key], expected, rtol=1e-12, atol=1e-12)
+        # every block of the window is the cross-group rank's own, bytes as written; frozen blocks too
+        window = result["window"].float()
+        trainable = window[:NODES * block].view(NODES, block)
+        frozen = window[NODES * block:].view(NODES, -1)
+        for n in range(NODES):
+            owner = n * LOCAL + local
+            assert torch.all(trainable[n] == torch.tensor(owner + 0.5, dtype=torch.bfloat16).float())
+            assert torch.all(frozen[n] == torch.tensor(-(owner + 0.5), dtype=torch.bfloat16).float())
+        # each node's rows stacked in node order (each rank passed LOCAL rows of its own rank id)
+        assert result["rows"][:, 0].tolist() == [float(n * LOCAL + local) for n in range(NODES) for _ in range(LOCAL)]
+        assert result["norm"] == sum(n + 1.0 for n in range(NODES))
+        # a step's: the rows, the reduce, the sum and the trainable gather, plus the frozen gather here
+        assert result["step_collectives"] == 5
+
+
+def test_a_failure_posted_on_one_node_stops_the_others_waiting_in_the_exchange():
+    results = run_ranks(failure_reaches_the_other_node, WORLD, "posted", 30.0, timeout=120)  # the board, not the timeout
+    waiting = [r for r in results if r["rank"] == 1]  # rank 1 shares rank 3's cross-node group
+    for result in waiting:
+        assert result["error"] == "ODCPeerError", result
+        assert result["message"].startswith("rank 3 failed at the step fence (step 7): RuntimeError: injected"), result
+        assert result["origin"] == 3 and result["waited_s"] < 10, result
+
+
+def test_a_silent_node_is_bounded_by_the_timeout():
+    results = run_ranks(failure_reaches_the_other_node, WORLD, "silent", 3.0, timeout=120)
+    result = results[1]
+    assert result["error"] == "ODCTimeoutError", result
+    assert "waited 3s for the other nodes" in result["message"], result
+    assert 3.0 <= result["waited_s"] < 8.0, result
+    assert result["heartbeats"] > 0  # its node's peers saw it alive while it waited

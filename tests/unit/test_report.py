@@ -77,4 +77,5 @@ def test_report_shows_the_topology_a_launcher_announces():
                           timeout=120, cwd=ROOT, env=env)
     rows = json.loads(done.stdout)["topology"]
     assert rows["launcher"] == "2 nodes x 2 ranks (node0: ranks 0-1; node1: ranks 2-3)"
-    assert "not implemented yet" in rows["odc"] and "optimizer state over all 4" in rows["odc"]
+    assert rows["odc"].startswith("several nodes: windows and accumulators over the 2 ranks of a node")
+    assert "optimizer state over all 4" in rows["odc"] and "one exchange per step" in rows["odc"]
