@@ -19,7 +19,7 @@ import os
 
 import deepspeed
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAD, BOS, SEP, EOS, FIRST_OP, STRIDES = 0, 1, 2, 3, 4, (1, 2, -1)  # ops: count up, count by two, count down
@@ -93,6 +93,7 @@ def main():
     # CPU ranks only: accelerate starts torch.distributed but not deepspeed.comm, and zero.Init would then
     # size the partitions for one rank (on GPUs accelerate does this itself).
     deepspeed.init_distributed(dist_backend="gloo")
+    set_seed(training_args.seed)  # every rank builds the same initial weights (zero.Init keeps each rank's part)
     model = LlamaForCausalLM._from_config(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS))

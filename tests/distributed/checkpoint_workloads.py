@@ -8,13 +8,16 @@ The resharding runs keep the *global* batch the same whatever the world size: ev
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import deepspeed
 import torch.distributed as tdist
 
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
-SLOTS = 2
+SLOTS = 4  # divides by every world size the tests use (1, 2, 4)
+RESHARD_TOLERANCE = 1e-5  # the same global batch, summed in another order (micro-batches vs ranks)
 
 
 def _engine(seed=1234, universal=False):
@@ -68,6 +71,23 @@ def load_and_continue(ckpt_dir, tag, first_step=3, steps=2, universal=True):
               "loaded_adam_step": loaded_step, "global_steps": engine.global_steps, "lr": engine.get_lr()}
     engine.destroy()
     return result
+
+
+def to_universal(ckpt, tag):
+    out = os.path.join(ckpt, f"{tag}_universal")
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(ckpt, tag),
+           "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return os.path.basename(out)
+
+
+def merged_losses(results):
+    merged = {}
+    for result in results:
+        for step, slots in result["losses"].items():
+            merged.setdefault(step, {}).update(slots)
+    return merged
 
 
 def _adam_step(engine):

@@ -1,17 +1,13 @@
 """Checkpoints survive a crash in the middle of a save, and move between world sizes (N -> M ranks)
 through DeepSpeed's universal checkpoint, with the optimizer state."""
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.distributed.checkpoint_workloads import (load_and_continue, load_latest, save_then_crash_mid_save,
-                                                    train_and_save)
+from tests.distributed.checkpoint_workloads import (RESHARD_TOLERANCE, load_and_continue, load_latest, merged_losses,
+                                                    save_then_crash_mid_save, to_universal, train_and_save)
 from tests.distributed.compare import worst_rel_diff
 from tests.distributed.harness import RankFailure, run_ranks
-
-RESHARD_TOLERANCE = 1e-5  # the same global batch, summed in another order (micro-batches vs ranks)
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
@@ -29,23 +25,6 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path
         assert worst_rel_diff(loaded[0]["loaded"], outcome["saved"]) == 0.0
 
 
-def _to_universal(ckpt, tag):
-    out = os.path.join(ckpt, f"{tag}_universal")
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", os.path.join(ckpt, tag),
-           "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return os.path.basename(out)
-
-
-def _merged_losses(results):
-    merged = {}
-    for result in results:
-        for step, slots in result["losses"].items():
-            merged.setdefault(step, {}).update(slots)
-    return merged
-
-
 @pytest.mark.parametrize("saved_world,loaded_world", [(2, 1), (1, 2)])
 def test_checkpoint_moves_between_world_sizes_with_optimizer_state(tmp_path, saved_world, loaded_world):
     ckpt = str(tmp_path / "ckpt")
@@ -54,7 +33,7 @@ def test_checkpoint_moves_between_world_sizes_with_optimizer_state(tmp_path, sav
     with pytest.raises(RankFailure, match=rf"saved by {saved_world} data-parallel ranks, this job has "
                                           rf"{loaded_world}[\s\S]*ds_to_universal"):
         run_ranks(load_and_continue, loaded_world, ckpt, "saved", 3, 2, False)
-    universal_tag = _to_universal(ckpt, "saved")
+    universal_tag = to_universal(ckpt, "saved")
     resumed = run_ranks(load_and_continue, loaded_world, ckpt, universal_tag)
 
     rank0 = resumed[0]
@@ -66,7 +45,7 @@ def test_checkpoint_moves_between_world_sizes_with_optimizer_state(tmp_path, sav
     # the same global batch after resuming gives the updates of the uninterrupted run: this needs
     # Adam's moments (a fresh optimizer state moves every weight by ~lr in the first step)
     assert worst_rel_diff(rank0["final"], uninterrupted[0]["final"]) < RESHARD_TOLERANCE
-    expected, got = _merged_losses(uninterrupted), _merged_losses(resumed)
+    expected, got = merged_losses(uninterrupted), merged_losses(resumed)
     for step in (3, 4):
         for slot, loss in expected[step].items():
             assert got[step][slot] == pytest.approx(loss, rel=RESHARD_TOLERANCE), (step, slot)

@@ -6,8 +6,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.launcher_workloads import initialize_odc, pretend_one_host_per_rank
+from tests.distributed.launcher_workloads import (initialize_odc, pretend_interleaved_nodes, pretend_one_host_per_rank,
+                                                  pretend_uneven_nodes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "launched_script.py")
@@ -30,9 +33,19 @@ def test_deepspeed_launcher_with_a_hostfile_on_one_node(tmp_path):
     assert not [name for name in os.listdir("/dev/shm") if f"_{port}_" in name]
 
 
-def test_ranks_on_several_hosts_fail_at_initialize_naming_the_hosts():
-    """Multi-node transport is not implemented yet: say so at initialize, never hang or corrupt."""
-    messages = run_ranks(initialize_odc, 2, setup=pretend_one_host_per_rank)
+@pytest.mark.parametrize("world,setup,expected", [
+    (3, pretend_uneven_nodes, "nodes hold different numbers of ranks ({'node-0': 2, 'node-1': 1})"),
+    (4, pretend_interleaved_nodes, "ranks [0, 2] share host 'node-0'; a multi-node layout needs ranks numbered "
+                                   "node by node ([0, 1] there)"),
+], ids=["uneven-nodes", "interleaved-ranks"])
+def test_a_multi_node_layout_odc_cannot_serve_fails_at_initialize_naming_the_hosts(world, setup, expected):
+    """Every rank raises the same ODCConfigError before anything is allocated; nothing hangs."""
+    messages = run_ranks(initialize_odc, world, setup=setup)
     for message in messages:
-        assert message is not None and "ODCConfigError" in message, message
-        assert "node-0" in message and "node-1" in message and "one host" in message, message
+        assert message is not None and message.startswith("ODCConfigError: " + expected), message
+
+
+def test_ranks_reporting_different_hosts_run_as_nodes():
+    """Two ranks that report different host names are two nodes of one rank each: each rank's windows
+    are its node's, the step exchanges between them (the real two-host tests are test_two_hosts.py)."""
+    assert run_ranks(initialize_odc, 2, setup=pretend_one_host_per_rank) == [None, None]

@@ -11,6 +11,12 @@
     ``OUT_DIR/hello<rank>.json`` after the all_reduce and ``OUT_DIR/rank<rank>.json`` at the end.
     An error in ``deepspeed.initialize`` is written to ``OUT_DIR/error<rank>.json`` and then
     propagates: the rank exits non-zero with its traceback on stderr.
+
+``python two_host_workloads.py cases CASES OUT_DIR`` (under torchrun)
+    Runs each case of the comma-separated ``CASES`` (names of :data:`CASES`: a workload of
+    ``workloads.py`` and its arguments) in turn in the same ranks, and saves what each rank returns
+    to ``OUT_DIR/<case>_rank<rank>.pt``. A case that raises saves ``{"error": ...}`` instead, and
+    the rank goes on to the next case only if the error was expected (``fault`` cases).
 """
 import json
 import os
@@ -19,7 +25,7 @@ import sys
 import time
 
 SHM = "/dev/shm"
-STEPS = 3
+STEPS = 3  # of the ZeRO-3 training job, and of each parity case
 
 
 def _write(path, value):
@@ -88,17 +94,148 @@ def train(stage, out_dir):
         mean_losses.append(mean.item() / world)
         with torch.no_grad():  # the same batch everywhere: equal only if every rank holds the same weights
             eval_losses.append(mse_mean(engine(eval_x), eval_y).item())
-    result = {**hello, "engine": type(engine).__name__, "losses": losses, "mean_losses": mean_losses,
-              "eval_losses": eval_losses}
-    _write(os.path.join(out_dir, f"rank{rank}.json"), result)
-    print(f"two-hosts done {json.dumps(result)}", flush=True)
+    engine_type = type(engine).__name__
     engine.destroy()
     tdist.barrier()
+    result = {**hello, "engine": engine_type, "losses": losses, "mean_losses": mean_losses,
+              "eval_losses": eval_losses, "shm_after": sorted(os.listdir(SHM))}
+    _write(os.path.join(out_dir, f"rank{rank}.json"), result)
+    print(f"two-hosts done {json.dumps(result)}", flush=True)
     tdist.destroy_process_group()
+
+
+def _parity_configs(optimizer):
+    options = {"optimizer": optimizer}
+    return [("odc", {**options, "odc": {"accumulator_dtype": "fp64"}}), ("odc", options), (3, options)]
+
+
+#: name -> (workload of workloads.py, its arguments); results are compared by test_two_hosts.py
+CASES = {
+    "adam_gas3": ("train_pair", lambda: (_parity_configs("adam"), STEPS, 3)),
+    "sgd_gas1": ("train_pair", lambda: (_parity_configs("sgd"), STEPS, 1)),
+    # bf16 has no exact answer: ODC bf16, ZeRO-3 bf16 and ZeRO-3 fp32 (the bar is ZeRO-3's own bf16 error)
+    "bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True}), (3, {"bf16": True}), (3, {})], STEPS, 1)),
+    "uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"])),
+    "uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"])),
+    "uneven_token": ("train_uneven", lambda: ("odc", "token", UNEVEN["uneven_token"], 3, MASKED)),
+}
+#: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
+UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
+MASKED = ((0, 1), (2, 0))  # (rank, micro-batch) carrying no loss token
+
+
+def cases(names, out_dir):
+    import deepspeed
+    import torch
+    import torch.distributed as tdist
+
+    from tests.distributed import checkpoint_workloads, workloads
+
+    torch.set_num_threads(1)
+    counting = "collectives" in names.split(",")
+    if counting:
+        workloads.install_collective_counter()  # before the process group, as the single-node test does
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = tdist.get_rank()
+    for name in names.split(","):
+        if name == "collectives":
+            result = [workloads.count_collectives("odc", layers, micro) for layers, micro in ((1, 1), (2, 1), (1, 2))]
+        elif name == "memory":
+            result = memory_per_rank()
+        elif name.startswith("ckpt_save:"):
+            result = checkpoint_workloads.train_and_save(name.split(":", 1)[1])
+        elif name.startswith("ckpt_load:"):
+            _, ckpt_dir, tag = name.split(":")
+            result = checkpoint_workloads.load_and_continue(ckpt_dir, tag)
+        elif name == "kill":
+            killed_on_node1(out_dir)  # ends the process
+        else:
+            workload, args = CASES[name]
+            result = getattr(workloads, workload)(*args())
+        torch.save(result, os.path.join(out_dir, f"{name.split(':')[0]}_rank{rank}.pt"))
+        print(f"two-hosts case {name} done on rank {rank}", flush=True)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def memory_per_rank():
+    """What this rank really allocated: its windows (bytes of the transport's tensors) and its fp32
+    optimizer state (master weights and Adam's moments), with the model's element counts."""
+    import deepspeed
+    import torch
+
+    from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+
+    engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=ds_config("odc", bf16=True))
+    x, y, _ = micro_batch(0, torch.distributed.get_rank(), 0)
+    engine.backward(mse_mean(engine(x.to(torch.bfloat16)), y))
+    engine.step()  # Adam's moments exist after the first step
+    transport = engine.optimizer.odc.transport
+    window, accumulator = transport.local_param_window(), transport.local_grad_accumulator()
+    masters = engine.optimizer.fp32_partitioned_groups_flat
+    state = sum(t.numel() * t.element_size() for s in engine.optimizer.optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    result = {"window_bytes": window.numel() * window.element_size(),
+              "accumulator_bytes": accumulator.numel() * accumulator.element_size(),
+              "optimizer_bytes": sum(m.numel() * m.element_size() for m in masters) + state,
+              "trainable": [p.ds_numel for p in engine.module.parameters() if p.requires_grad],
+              "frozen": [p.ds_numel for p in engine.module.parameters() if not p.requires_grad],
+              "world": torch.distributed.get_world_size(), "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
+    engine.destroy()
+    return result
+
+
+def killed_on_node1(out_dir, victim=3):
+    """Rank ``victim`` (on node 1) is killed in step 1's forward; every other rank reports the error its
+    step raises, how long it waited, and its node's /dev/shm after ``engine.destroy()``, then exits
+    without the process group's teardown (its peer is gone) once every survivor has reported."""
+    import signal
+
+    import deepspeed
+    import torch.distributed as tdist
+
+    from tests.distributed.workloads import _train_steps, ds_config, make_model, micro_batch, mse_mean
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc={"timeout_s": 60}))
+    _train_steps(engine, 0, 1)
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x, y, _ = micro_batch(1, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    start = time.monotonic()
+    result = {"error": None}
+    try:
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    engine.destroy()
+    result["shm"] = sorted(os.listdir(SHM))
+    result["host"] = socket.gethostname()
+    _write(os.path.join(out_dir, f"kill_rank{rank}.json"), result)
+    # rank 0's process holds the job's store here: it stays until every survivor has its answer
+    _wait_for([os.path.join(out_dir, f"kill_rank{r}.json") for r in range(4) if r != victim], 60)
+    os._exit(0)
+
+
+def ranks(node, local_world, world, master_addr, master_port, *argv):
+    """Start this node's ranks as plain processes with torch.distributed's environment (as a user's own
+    launcher would), wait for them, and exit with the first non-zero status."""
+    import subprocess
+
+    procs = []
+    for local in range(int(local_world)):
+        env = dict(os.environ, RANK=str(int(node) * int(local_world) + local), LOCAL_RANK=str(local),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=master_addr,
+                   MASTER_PORT=str(master_port))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
+    codes = [proc.wait() for proc in procs]
+    print(f"two-hosts node {node} exit codes {codes}", flush=True)
+    sys.exit(next((c for c in codes if c), 0))
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     # the DeepSpeed launcher passes --local_rank=N first (LOCAL_RANK is in the environment too)
     mode, *args = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
-    {"isolation": isolation, "train": train}[mode](*args)
+    {"isolation": isolation, "train": train, "cases": cases, "ranks": ranks}[mode](*args)
