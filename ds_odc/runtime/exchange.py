@@ -38,6 +38,8 @@ from ds_odc.runtime.layout import WindowLayout
 #: How long a broken collective waits for the board to say why (a node names a dead rank within
 #: milliseconds; its ranks may be busy for a while before their next round notices it).
 CAUSE_GRACE_S = 10.0
+#: How often a rank waiting in the exchange reads the board (and beats its heartbeat).
+BOARD_PERIOD_S = 0.05
 
 
 class OneNode:
@@ -112,23 +114,28 @@ class CrossNodeExchange:
         self.node = tdist.get_rank(cross_group)
         self.timeout_s, self.rank = timeout_s, rank
         self.blocking_waits = tdist.get_backend(cross_group) == "gloo"
+        # counts and norms are host tensors; NCCL takes only device ones
+        self.small_device = (torch.device("cpu") if self.blocking_waits
+                             else torch.device("cuda", torch.cuda.current_device()))
         self.collectives = 0  # issued so far: a test counts them per step
         if self.node_count != layout.node_count:
             raise ValueError(f"cross-node group of {self.node_count} ranks for a layout of {layout.node_count} nodes")
 
     def job_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every node's ``rows`` (one per local rank), stacked in node order: one row per job rank."""
-        rows = rows.contiguous()
-        out = torch.empty((self.node_count * rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype)
+        rows = rows.to(self.small_device).contiguous()
+        out = torch.empty((self.node_count * rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype,
+                          device=self.small_device)
         self._run(tdist.all_gather_into_tensor(out, rows, group=self.cross_group, async_op=True),
                   "gathering every node's micro-batch counts")
-        return out
+        return out.cpu()
 
     def job_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the nodes (each node contributes its node-wide partial)."""
-        total = values.clone()
-        self._run(tdist.all_reduce(total, group=self.cross_group, async_op=True), "summing the gradient norm over nodes")
-        return total
+        total = values.to(self.small_device, copy=True)
+        self._run(tdist.all_reduce(total, group=self.cross_group, async_op=True),
+                  "summing the gradient norm over nodes")
+        return total.cpu()
 
     def reduce_gradients(self, accumulator: torch.Tensor) -> None:
         """Sum every node's accumulator blocks: this rank's own block becomes the job's sum for its
@@ -165,31 +172,41 @@ class CrossNodeExchange:
         before, so on gloo a helper thread waits and this thread watches it. If the exchange fails,
         that thread stays blocked until the group's own timeout ends the collective (timeout_s plus a
         minute); the engine is failed by then. On NCCL, ``wait()`` only orders the current stream
-        after the collective, so the collective's completion is polled instead."""
+        after the collective, so the collective's completion is polled instead.
+
+        The board (a round trip to the store) is read every ``BOARD_PERIOD_S``, not at every poll: the
+        store's host is one of the ranks, and its neighbours on a busy node would feel the traffic."""
         self.collectives += 1
         deadline = time.monotonic() + self.timeout_s
-        pause = 1e-4
         if self.blocking_waits:
             outcome: list = []
             waiter = threading.Thread(target=_wait_into, args=(work, outcome), daemon=True,
                                       name="ds_odc-cross-node-wait")
             waiter.start()
-            finished = lambda: not waiter.is_alive()  # noqa: E731
+
+            def finished(within: float) -> bool:
+                waiter.join(within)  # returns as soon as the collective does
+                return not waiter.is_alive()
         else:
-            finished = work.is_completed
-        while not finished():
+            def finished(within: float) -> bool:
+                until, pause = time.monotonic() + within, 1e-5
+                while not work.is_completed():
+                    if time.monotonic() >= until:
+                        return False
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+                return True
+        while not finished(BOARD_PERIOD_S):
             record = self.board.read()
             if record is not None:
                 raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record)
             if time.monotonic() > deadline:
                 record = FailureRecord(self.rank, 0, doing, f"waited {self.timeout_s:.0f}s for the other nodes' ranks "
                                        f"of its cross-node group", FailureKind.STALLED)
-                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for the other nodes while {doing}: "
-                                      "a rank there is stuck or its node is gone (zero_optimization.odc.timeout_s)",
-                                      record)
+                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for the other nodes while "
+                                      f"{doing}: a rank there is stuck or its node is gone "
+                                      "(zero_optimization.odc.timeout_s)", record)
             self.heartbeat()
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
         try:
             if not self.blocking_waits:
                 work.wait()
