@@ -46,6 +46,8 @@ DOC_START, DOC_END = "<!-- balance_matrix:start -->", "<!-- balance_matrix:end -
 # -- ranks -----------------------------------------------------------------------------------------
 def _ds_config(engine, metrics):
     zero = {"stage": "odc", "odc": {"metrics": metrics}} if engine == "odc" else {"stage": 3}
+    if engine.startswith("zero3-hpz"):  # "zero3-hpz<n>": ZeRO++'s secondary partition over n ranks
+        zero["zero_hpz_partition_size"] = int(engine[len("zero3-hpz"):])
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False, "gradient_clipping": 1.0, "steps_per_print": 1_000_000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "weight_decay": 0.0}},
@@ -67,7 +69,7 @@ def _run_cell(rank, cell):
     for step in cell["steps"]:
         lengths, ids = step["lengths"], step["sample_ids"]
         mine = step["micro_batches"][rank]
-        if cell["engine"] == "zero3":  # collectives need equal counts: pad with empty micro-batches
+        if cell["engine"].startswith("zero3"):  # collectives need equal counts: pad with empty micro-batches
             depth = max(len(r) for r in step["micro_batches"])
             mine = mine + [None] * (depth - len(mine))
         global_tokens = sum(lengths)
@@ -107,24 +109,24 @@ def fit_cost_model(token_cap):
                lengths, repeats=3)
 
 
-def workload_steps(kind, samples_per_rank, count, seed=0, scale=SCALE):
+def workload_steps(kind, samples_per_rank, count, seed=0, scale=SCALE, world=WORLD):
     """``count`` global minibatches: lists of (sample id, length), identical for every method."""
     from packed_lm import longalign_like_lengths
 
-    size = samples_per_rank * WORLD
+    size = samples_per_rank * world
     lengths = longalign_like_lengths(size * count, scale, seed=seed)
     if kind == "balanced":
         lengths = [round(statistics.mean(lengths))] * len(lengths)
     return [[(start + i, lengths[start + i]) for i in range(size)] for start in range(0, size * count, size)]
 
 
-def plan_cell(engine, policy, minibatches, cost_model, token_cap):
+def plan_cell(engine, policy, minibatches, cost_model, token_cap, world=WORLD):
     from ds_odc.balance import plan_minibatch
 
     steps, plans = [], []
     for number, minibatch in enumerate(minibatches):
         lengths = [length for _, length in minibatch]
-        plan = plan_minibatch(lengths, WORLD, token_cap, policy, cost_model, seed=number)
+        plan = plan_minibatch(lengths, world, token_cap, policy, cost_model, seed=number)
         plans.append(plan)
         steps.append({"lengths": lengths, "sample_ids": [sid for sid, _ in minibatch],
                       "micro_batches": [[list(b) for b in rank] for rank in plan.micro_batches]})

@@ -29,6 +29,7 @@ True
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -55,13 +56,24 @@ _HBM_BYTES_PER_SECOND = 1.5e12
 _ADAMW_BYTES_PER_PARAM = 28
 
 
-def golden_preset(world_size: int = GOLDEN_WORLD_SIZE, prefetch_depth: int = 1) -> Hardware:
-    """The 1.5B model on A100s, ``world_size`` ranks, 8 per node (see the module docstring)."""
+#: Links between nodes, per rank: name -> (collective, point-to-point). The first is the golden setting's.
+INTER_NODE_LINKS = {
+    "RoCE 800 Gb/s per node (golden)": (_INTER_NODE_COLLECTIVE, _INTER_NODE_P2P),
+    "IB 400 Gb/s per GPU": (Link(bandwidth=50e9, latency=30e-6), Link(bandwidth=12.5e9, latency=15e-6)),
+    "100 Gb/s per GPU": (Link(bandwidth=12.5e9, latency=30e-6), Link(bandwidth=3.1e9, latency=15e-6)),
+}
+
+
+def golden_preset(world_size: int = GOLDEN_WORLD_SIZE, prefetch_depth: int = 1,
+                  inter_node: tuple[Link, Link] = (_INTER_NODE_COLLECTIVE, _INTER_NODE_P2P)) -> Hardware:
+    """The 1.5B model on A100s, ``world_size`` ranks, 8 per node (see the module docstring); across
+    nodes, ``inter_node`` = (collective link, point-to-point link) per rank. ODC here is the paper's
+    design: every pull and push goes to its owner, across nodes too."""
     if world_size < 1:
         raise ODCError(f"golden_preset: world_size must be >= 1, got {world_size}")
     one_node = world_size <= _RANKS_PER_NODE
-    collective = _INTRA_NODE_COLLECTIVE if one_node else _INTER_NODE_COLLECTIVE
-    p2p = _INTRA_NODE_P2P if one_node else _INTER_NODE_P2P
+    collective = _INTRA_NODE_COLLECTIVE if one_node else inter_node[0]
+    p2p = _INTRA_NODE_P2P if one_node else inter_node[1]
     gather_bytes, reduce_bytes = 2 * _PARAMS_PER_LAYER, 4 * _PARAMS_PER_LAYER
     shard = _MODEL_PARAMS / world_size
     optimizer = shard * _ADAMW_BYTES_PER_PARAM / _HBM_BYTES_PER_SECOND
@@ -76,6 +88,36 @@ def golden_preset(world_size: int = GOLDEN_WORLD_SIZE, prefetch_depth: int = 1) 
         optimizer_seconds=optimizer,
         fence_seconds=fence,
         description=f"golden: 1.5B, {world_size} A100 ranks ({'one node' if one_node else 'multi-node'})")
+
+
+def hierarchical_preset(world_size: int, prefetch_depth: int = 1,
+                        inter_node: tuple[Link, Link] = (_INTER_NODE_COLLECTIVE, _INTER_NODE_P2P)) -> Hardware:
+    """:func:`golden_preset`, with ODC as this engine runs it across nodes (docs/multinode.md): pulls
+    and pushes stay inside the node (its 8 ranks hold every shard between them), and the step adds
+    one exchange between nodes on the collective link: a reduce-scatter of each rank's fp32
+    accumulator (``4·P/8`` bytes) and an all-gather of its bf16 window (``2·P/8``) over the ranks with
+    its local rank, plus two small all-reduces. The collective engine's numbers are golden's.
+
+    >>> flat, tiered = golden_preset(16), hierarchical_preset(16)
+    >>> tiered.pull_seconds == golden_preset(8).pull_seconds, tiered.gather_seconds == flat.gather_seconds
+    (True, True)
+    >>> round(tiered.fence_seconds - flat.fence_seconds, 3)  # the exchange, seconds per step
+    0.007
+    """
+    flat = golden_preset(world_size, prefetch_depth, inter_node)
+    local = min(world_size, _RANKS_PER_NODE)
+    nodes = math.ceil(world_size / local)
+    if nodes == 1:
+        return flat
+    block = _MODEL_PARAMS / local  # parameters of a rank's windows: its cross-node group's shards
+    collective = inter_node[0]
+    exchange = (spread_over_peers(collective, 4 * block, nodes) + spread_over_peers(collective, 2 * block, nodes)
+                + 2 * collective.latency)
+    return dataclasses.replace(
+        flat, pull_seconds=spread_over_peers(_INTRA_NODE_P2P, 2 * _PARAMS_PER_LAYER, local),
+        push_seconds=spread_over_peers(_INTRA_NODE_P2P, 4 * _PARAMS_PER_LAYER, local),
+        fence_seconds=flat.fence_seconds + exchange,
+        description=f"golden, {world_size} ranks on {nodes} nodes, ODC inside each node, one exchange per step")
 
 
 MEASURED_COMM_KEYS = {

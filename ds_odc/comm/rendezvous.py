@@ -142,7 +142,8 @@ class Rendezvous:
         message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text(kind)}, step {step}, {n} values) "
                    f"where {here.replace('was at', 'is at')} with {mine[2]} values: the ranks called different things "
                    "(e.g. engine.step() or save_checkpoint() on some ranks only, or a different number of times)")
-        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text(kind), "rounds out of step: " + message))
+        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text(kind),
+                                          "rounds out of step: " + message))
 
     def _raise_on_failures(self, ranks, here: str) -> None:
         for r in ranks:
@@ -158,8 +159,8 @@ class Rendezvous:
         for r in pending:
             block = plane.blocks[r]
             if block.state() == State.CLOSED:
-                record = FailureRecord(plane.job_rank(r), step, "its peers waited for it", "closed its engine (engine.destroy())",
-                                       FailureKind.CLOSED)
+                record = FailureRecord(plane.job_rank(r), step, "its peers waited for it",
+                                       "closed its engine (engine.destroy())", FailureKind.CLOSED)
                 self._fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {here}", record)
             if not plane.alive(r):
                 record = FailureRecord(plane.job_rank(r), step, block.activity_text(),

@@ -195,8 +195,8 @@ class NodeAllocation:
             raise pending
         failed = {r: o for r, o in enumerate(outcomes) if o.error is not None}
         if failed:
-            text = "; ".join(f"{self.name(r)} ({self.infos[r].host}, pid {self.infos[r].pid}) failed while {doing}: {o.error}"
-                             for r, o in failed.items())
+            text = "; ".join(f"{self.name(r)} ({self.infos[r].host}, pid {self.infos[r].pid}) failed while {doing}: "
+                             f"{o.error}" for r, o in failed.items())
             error_class = ODCConfigError if all(o.config_error for o in failed.values()) else ODCPeerError
             raise error_class(text)
 

@@ -31,7 +31,8 @@ class ODCRuntime:
         self.ledger = ledger
         self.nodes = nodes or OneNode()
         if self.nodes.node_count != layout.node_count:
-            raise ValueError(f"a layout of {layout.node_count} node blocks with an exchange of {self.nodes.node_count} nodes")
+            raise ValueError(f"a layout of {layout.node_count} node blocks with an exchange of "
+                             f"{self.nodes.node_count} nodes")
         self.world_size = transport.world_size * layout.node_count  # ZeRO-3's partitions: one per rank of the job
         self.protocol = StepProtocol(transport, ledger, on_open, self.nodes)
         self.pulls = 0  # parameters pulled, for tests and metrics

@@ -16,9 +16,12 @@ step, after the node's fence, each cross group (one rank per node, in node order
    they are, into the window.
 
 Four collectives per step, on ``torch.distributed`` (gloo on CPU, NCCL on GPU), whatever the number of
-layers, parameters and micro-batches. Every wait in them is bounded and watches the job's
-:class:`FailureBoard`, so a rank that fails (or sees a node peer die) on one node makes the ranks of
-every other node raise naming it, instead of waiting out a collective that will never complete.
+layers, parameters and micro-batches. Outside a step: the windows are gathered after their owners
+rewrote them (the open round, a checkpoint load), a gradient read first sums the accumulators, and
+a barrier (checkpoint save) is the node's round, then :meth:`CrossNodeExchange.barrier`. Every wait
+in them is bounded and watches the job's :class:`FailureBoard`, so a rank that fails (or sees a
+node peer die) on one node makes the ranks of every other node raise naming it, instead of waiting
+out a collective that will never complete.
 :class:`OneNode` is the same interface with nothing to exchange.
 """
 from __future__ import annotations
@@ -59,6 +62,9 @@ class OneNode:
         pass
 
     def gather_windows(self, window: torch.Tensor, frozen: bool = False) -> None:
+        pass
+
+    def barrier(self, what: str) -> None:
         pass
 
     def announce(self, record: FailureRecord) -> None:
@@ -160,6 +166,11 @@ class CrossNodeExchange:
             mine = window.narrow(0, *block(self.node)).view(torch.uint8).clone()
             self._run(tdist.all_gather_into_tensor(everything, mine, group=self.cross_group, async_op=True),
                       "gathering updated shards from every node")
+
+    def barrier(self, what: str) -> None:
+        """After the node's own round (every rank of this node has arrived): every node's has too."""
+        self._run(tdist.all_reduce(torch.zeros(1, device=self.small_device), group=self.cross_group, async_op=True),
+                  f"waiting for the other nodes at {what}")
 
     def announce(self, record: FailureRecord) -> None:
         """This node's ranks cannot continue: tell every node."""

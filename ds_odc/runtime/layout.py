@@ -114,7 +114,8 @@ class WindowLayout:
         """
         if slot.grad_offset is not None:
             return node * self.trainable_numel + slot.param_offset
-        return self.node_count * self.trainable_numel + node * self.frozen_numel + slot.param_offset - self.trainable_numel
+        frozen_start = self.node_count * self.trainable_numel + node * self.frozen_numel
+        return frozen_start + slot.param_offset - self.trainable_numel
 
     def grad_offset(self, slot: ShardSlot, node: int) -> int:
         """Offset of ``slot``'s gradient shard of the rank with this local rank on ``node``, in the accumulator."""

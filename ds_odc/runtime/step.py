@@ -262,6 +262,8 @@ class StepProtocol:
             if kind is RoundKind.WINDOWS_REWRITTEN:
                 self.nodes.gather_windows(self.transport.local_param_window(), frozen=True)
             self.round(kind, torch.zeros(0, dtype=torch.float64), what)
+            if kind is RoundKind.BARRIER:
+                self.nodes.barrier(what)  # the node's round, then every node's: a barrier of the job
         self._note(previous, force=True)
 
     def sync_gradients(self, what: str) -> None:
@@ -341,8 +343,8 @@ class StepProtocol:
         self.nodes.announce(record)
         self.machine.advance(Event.FAIL)
         if hasattr(err, "add_note"):
-            err.add_note(f"ds_odc: rank {self.transport.global_rank} marked the ODC group failed (its peers raise at their "
-                         "next rendezvous); this engine cannot continue: call engine.destroy()")
+            err.add_note(f"ds_odc: rank {self.transport.global_rank} marked the ODC group failed (its peers raise at "
+                         "their next rendezvous); this engine cannot continue: call engine.destroy()")
 
     def _usable(self) -> None:
         if self.phase is Phase.FAILED:

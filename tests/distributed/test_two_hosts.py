@@ -177,6 +177,8 @@ def cases(hosts, tmp_path_factory):
                                    for r in range(4)] for name in names.split(",")}
     loaded["ckpt_save_1x2"] = saved_on_one_host
     loaded["ckpt_load_1x2"] = run_ranks(load_and_continue, 2, two_hosts_dir, to_universal(two_hosts_dir, "saved"))
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    loaded["ckpt_2x2_zero_to_fp32"] = get_fp32_state_dict_from_zero_checkpoint(two_hosts_dir, tag="saved")
     return loaded
 
 
@@ -252,6 +254,11 @@ def test_checkpoint_moves_between_topologies_through_the_universal_checkpoint(ca
     """Saved on 2 nodes x 2 ranks and loaded on 2 ranks of one host, and the reverse: the same global batch
     per step (checkpoint_workloads.py), so the resumed run continues the uninterrupted one."""
     uninterrupted, resumed = cases[saved], cases[loaded]
+    if saved == "ckpt_save":  # the 2x2 files are a 4-rank ZeRO-3 checkpoint: zero_to_fp32 reads them
+        consolidated = cases["ckpt_2x2_zero_to_fp32"]
+        trainable = {k: v for k, v in uninterrupted[0]["saved"].items() if k in consolidated}
+        assert set(trainable) >= {"inp.weight", "inp.bias", "out.weight", "blocks.0.weight"}
+        assert worst_rel_diff({k: consolidated[k].float() for k in trainable}, trainable) == 0.0
     rank0 = resumed[0]
     assert rank0["engine"] == "ODCEngine"
     assert worst_rel_diff(rank0["loaded"], uninterrupted[0]["saved"]) == 0.0
