@@ -111,8 +111,9 @@ class Transport(abc.ABC):
 
     # -- control plane (shared by every transport) -------------------------------------------------------
     @property
-    def global_rank(self) -> int:
-        """This rank's rank in the job (what errors and failure records name)."""
+    def job_rank(self) -> int:
+        """This rank's rank in the job (what errors and failure records name; ``ControlPlane.job_rank``
+        maps a peer's block the same way)."""
         return self.first_rank + self.rank
 
     def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:

@@ -337,13 +337,13 @@ class StepProtocol:
         if self.phase in (Phase.FAILED, Phase.CLOSED):
             return
         record = getattr(err, "record", None) or \
-            FailureRecord(self.transport.global_rank, self.step_number, where, f"{type(err).__name__}: {err}")
+            FailureRecord(self.transport.job_rank, self.step_number, where, f"{type(err).__name__}: {err}")
         self.failure = record
         self.transport.mark_failed(record)
         self.nodes.announce(record)
         self.machine.advance(Event.FAIL)
         if hasattr(err, "add_note"):
-            err.add_note(f"ds_odc: rank {self.transport.global_rank} marked the ODC group failed (its peers raise at "
+            err.add_note(f"ds_odc: rank {self.transport.job_rank} marked the ODC group failed (its peers raise at "
                          "their next rendezvous); this engine cannot continue: call engine.destroy()")
 
     def _usable(self) -> None:
