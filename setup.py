@@ -78,7 +78,7 @@ setup(
     version="0.1.0",
     description="DeepSpeed ZeRO-3 with on-demand one-sided communication (ODC) for LLM post-training",
     packages=find_packages(include=["ds_odc", "ds_odc.*"]),
-    py_modules=["ds_odc_autoload"],
+    py_modules=["ds_odc_autoload", "ds_odc_import_hooks"],
     cmdclass={"build_py": BuildPyWithAutoload, "editable_wheel": EditableWheelWithAutoload},
     python_requires=">=3.10",
     install_requires=[

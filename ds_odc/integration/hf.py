@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from deepspeed.utils import logger
-from ds_odc_autoload import when_imported
+from ds_odc_import_hooks import when_imported
 
 from ds_odc.config import canonicalize
 from ds_odc.integration.versions import untested_hf_release

@@ -31,7 +31,7 @@ import functools
 
 import torch
 from deepspeed.utils import logger
-from ds_odc_autoload import when_imported
+from ds_odc_import_hooks import when_imported
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slots import BalancedSlot, SlotCollator, SlotDataset, StepPlanner

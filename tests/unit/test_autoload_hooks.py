@@ -1,10 +1,11 @@
-"""``ds_odc_autoload``: post-import hooks on throw-away modules (no torch, no processes)."""
+"""``ds_odc_import_hooks`` (post-import hooks on throw-away modules) and ``ds_odc_autoload``'s switch: no torch, no processes."""
 import sys
 import textwrap
 
 import pytest
 
 import ds_odc_autoload
+import ds_odc_import_hooks
 
 
 @pytest.fixture
@@ -21,15 +22,15 @@ def fresh_module(tmp_path, monkeypatch):
     yield make
     for name in names:
         sys.modules.pop(name, None)
-        ds_odc_autoload._waiting.pop(name, None)
+        ds_odc_import_hooks._waiting.pop(name, None)
 
 
 def test_callback_runs_once_after_the_module_has_finished_importing(fresh_module):
     name = fresh_module("odc_hook_target_a", "VALUE = 1\nLAST = 'done'\n")
     seen = []
-    ds_odc_autoload.when_imported(name, lambda module: seen.append((module.__name__, module.LAST)))
-    ds_odc_autoload.when_imported(name, seen.append)
-    ds_odc_autoload.when_imported(name, seen.append)  # the same callback twice: registered once
+    ds_odc_import_hooks.when_imported(name, lambda module: seen.append((module.__name__, module.LAST)))
+    ds_odc_import_hooks.when_imported(name, seen.append)
+    ds_odc_import_hooks.when_imported(name, seen.append)  # the same callback twice: registered once
     assert seen == []
     module = __import__(name)
     assert seen == [(name, "done"), module]
@@ -41,7 +42,7 @@ def test_callback_runs_once_after_the_module_has_finished_importing(fresh_module
 def test_callback_for_an_already_imported_module_runs_at_once(fresh_module):
     module = __import__(fresh_module("odc_hook_target_b"))
     seen = []
-    ds_odc_autoload.when_imported(module.__name__, seen.append)
+    ds_odc_import_hooks.when_imported(module.__name__, seen.append)
     assert seen == [module]
 
 
@@ -51,7 +52,7 @@ def test_a_failing_callback_warns_and_leaves_the_import_alone(fresh_module):
     def broken(module):
         raise RuntimeError("boom")
 
-    ds_odc_autoload.when_imported(name, broken)
+    ds_odc_import_hooks.when_imported(name, broken)
     with pytest.warns(RuntimeWarning, match=r"odc_hook_target_c.*RuntimeError: boom.*DS_ODC_AUTOLOAD=0"):
         module = __import__(name)
     assert module.VALUE == 1

@@ -1,0 +1,88 @@
+"""Post-import hooks: run a callback once a module has finished importing. Standard library only.
+
+Why a top-level module of its own: ``ds_odc_autoload`` runs at the start of every interpreter of the
+environment and must not import ds_odc (seconds), while ds_odc itself patches transformers and
+accelerate lazily, only once a program imports them. Both need this one mechanism; neither may import
+the other for it (ds_odc_autoload imports ds_odc when deepspeed is imported: a loop otherwise).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+#: What turns ds_odc's import-time activation off (named in the warning a failed hook raises).
+OFF_SWITCH = "DS_ODC_AUTOLOAD"
+
+#: module name -> callbacks still waiting for that module to finish importing.
+_waiting: dict = {}
+
+
+def _run_callbacks(name: str, module) -> None:
+    for callback in _waiting.pop(name, ()):
+        try:
+            callback(module)
+        except Exception as err:  # noqa: BLE001 - never break the user's own import
+            warnings.warn(f"ds_odc: post-import hook {getattr(callback, '__qualname__', callback)!r} for "
+                          f"{name!r} failed: {type(err).__name__}: {err} (set {OFF_SWITCH}=0 to skip autoloading)",
+                          RuntimeWarning, stacklevel=2)
+
+
+class _HookedLoader:
+    """Runs the real loader, then the callbacks waiting for the module. Everything else is delegated."""
+
+    def __init__(self, loader, name: str):
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Hand the module its real loader back first: code that inspects ``__loader__`` /
+        # ``__spec__.loader`` (resources, pkgutil) sees exactly what it would without us.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run_callbacks(self._name, module)
+
+    def __getattr__(self, attr):
+        return getattr(self._loader, attr)
+
+
+class _PostImportFinder:
+    """A ``sys.meta_path`` entry that finds nothing itself: for a watched name it asks the finders
+    after it for the real spec and wraps that spec's loader in :class:`_HookedLoader`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _waiting:
+            return None
+        finders = sys.meta_path
+        start = finders.index(self) + 1 if self in finders else 0
+        for finder in finders[start:]:
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(fullname, path, target) if find_spec is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _HookedLoader(spec.loader, fullname)
+                return spec
+        return None
+
+
+_finder = _PostImportFinder()
+
+
+def when_imported(name: str, callback) -> None:
+    """Call ``callback(module)`` once module ``name`` has finished importing (now, if it already has).
+
+    A callback that raises does not break the import; it is reported as a ``RuntimeWarning``.
+    Registering the same callback twice for a name is a no-op."""
+    callbacks = _waiting.setdefault(name, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
+    module = sys.modules.get(name)
+    if module is not None:
+        _run_callbacks(name, module)
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
