@@ -121,10 +121,17 @@ def pack(samples: Sequence[int], lengths: Sequence[int], costs: Sequence[float],
     return []
 
 
+def sort_heaviest_first_by(batches: list[list[int]], cost) -> list[list[int]]:
+    """Micro-batch i of every rank is then roughly the i-th heaviest by ``cost(batch)``, which is
+    what aligning micro-batches across ranks (LB-Micro) relies on. Each lists its samples by index;
+    equal costs go by those lists."""
+    return sorted((sorted(batch) for batch in batches), key=lambda b: (-cost(b), b))
+
+
 def sort_heaviest_first(batches: list[list[int]], costs: Sequence[float]) -> list[list[int]]:
-    """Micro-batch i of every rank is then roughly the i-th heaviest, which is what aligning
-    micro-batches across ranks (LB-Micro) relies on."""
-    return sorted((sorted(batch) for batch in batches), key=lambda b: (-sum(costs[i] for i in b), b))
+    """:func:`sort_heaviest_first_by` the sum of the samples' ``costs`` (packed pricing, less the
+    fixed cost every micro-batch shares)."""
+    return sort_heaviest_first_by(batches, lambda batch: sum(costs[i] for i in batch))
 
 
 def by_length(samples: Sequence[int], lengths: Sequence[int], order: Sequence[int] | None = None) -> list[int]:
@@ -163,11 +170,6 @@ def split_largest_run(batches: list[list[int]]) -> None:
     assert len(batch) >= 2, "no micro-batch left to split: fewer samples than micro-batches asked for"
     half = len(batch) // 2
     batches[index:index + 1] = [batch[:half], batch[half:]]
-
-
-def sort_heaviest_first_by(batches: list[list[int]], cost) -> list[list[int]]:
-    """:func:`sort_heaviest_first` with any micro-batch price ``cost(batch)`` (padded pricing)."""
-    return sorted((sorted(batch) for batch in batches), key=lambda b: (-cost(b), b))
 
 
 def _fill_empty(batches: list[list[int]], costs: Sequence[float]) -> None:
