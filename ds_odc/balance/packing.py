@@ -18,11 +18,16 @@ micro-batches hold samples of similar length: :func:`pack_padded` sorts by lengt
 [[0], [1, 2], [3]]
 >>> micro_batch_tokens([4, 3], "padded"), micro_batch_tokens([4, 3], "padded", pad_to_multiple_of=8)
 (8, 16)
+
+The planner balances ranks the same way for both collators; what differs is kept here, in one
+:class:`Packer` per collator (:class:`PackedPacker`, :class:`PaddedPacker`): how one rank's share is
+packed, how ranks are brought to the same micro-batch count, and what a micro-batch costs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.partition import karmarkar_karp
@@ -172,6 +177,105 @@ def split_largest_run(batches: list[list[int]]) -> None:
     batches[index:index + 1] = [batch[:half], batch[half:]]
 
 
+class Packer(Protocol):
+    """What LB-Mini and LB-Micro need to know about the collator; the balancing itself is the same.
+
+    ``pack(share)``: one rank's fewest micro-batches under the cap, heaviest first (LB-Mini).
+    ``same_count(shares)``: every rank's micro-batches under the cap, all ranks with the same count,
+    as few as the packer finds room for on every rank (a rank with fewer samples than that stops at
+    one sample per micro-batch), heaviest first (LB-Micro). ``price(batch)``: the cost model's cost
+    of one micro-batch as the collator builds it, fixed cost included (what a plan is judged by).
+    """
+
+    def pack(self, share: Sequence[int]) -> list[list[int]]: ...
+
+    def same_count(self, shares: Sequence[Sequence[int]]) -> list[list[list[int]]]: ...
+
+    def price(self, batch: Sequence[int]) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPacker:
+    """A flattening collator (``Σ s`` tokens): Karmarkar-Karp on cost, from ``ceil(tokens / cap)``
+    micro-batches up (:func:`pack`, :func:`split_into`).
+
+    >>> packer = PackedPacker([6, 5, 3, 3], costs=[6, 5, 3, 3], token_cap=8, order=None, model=CostModel.tokens())
+    >>> packer.pack([2, 3]), packer.same_count([[0, 1], [2, 3]])  # rank 0 needs 2, so rank 1 splits too
+    ([[2, 3]], [[[0], [1]], [[2], [3]]])
+    """
+
+    lengths: Sequence[int]
+    costs: Sequence[float]
+    token_cap: int
+    order: Sequence[int] | None
+    model: CostModel
+
+    def price(self, batch: Sequence[int]) -> float:
+        return micro_batch_cost([self.lengths[i] for i in batch], self.model)
+
+    def pack(self, share: Sequence[int]) -> list[list[int]]:
+        return pack(share, self.lengths, self.costs, self.token_cap, self.order)
+
+    def same_count(self, shares: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+        """Start at the count the most loaded rank needs at least; when any rank's split breaks the
+        cap at that count, every rank moves to one more together, as the counts must agree."""
+        count = max(minimal_micro_batches(share, self.lengths, self.token_cap) for share in shares)
+        while True:
+            # a rank with no sample (fewer samples than ranks) has no micro-batch: it must not block the loop
+            attempt = [split_into(share, min(count, len(share)), self.lengths, self.costs, self.token_cap,
+                                  self.order) if share else [] for share in shares]
+            if all(batches is not None for batches in attempt):
+                return attempt
+            count += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedPacker:
+    """A padding collator (``n·L`` tokens): runs of similar lengths (:func:`pack_padded`), priced
+    padded, so mixing a long sample with short ones costs what it costs.
+
+    >>> packer = PaddedPacker([8, 7, 2, 2], token_cap=14, order=None, model=CostModel.tokens())
+    >>> packer.pack([0, 1, 2, 3])  # [1, 2] costs 2 x 7: the heaviest
+    [[1, 2], [0], [3]]
+    >>> packer.same_count([[0, 1], [2, 3]])  # rank 0 needs 2 runs, so rank 1 splits its one
+    [[[0], [1]], [[2], [3]]]
+    """
+
+    lengths: Sequence[int]
+    token_cap: int
+    order: Sequence[int] | None
+    model: CostModel
+    pad_to_multiple_of: int = 1
+
+    def price(self, batch: Sequence[int]) -> float:
+        return micro_batch_cost([self.lengths[i] for i in batch], self.model, "padded", self.pad_to_multiple_of)
+
+    def pack(self, share: Sequence[int]) -> list[list[int]]:
+        return sort_heaviest_first_by(self._runs(share), self.price)
+
+    def same_count(self, shares: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+        """Each rank's fewest runs, then ranks with fewer micro-batches split their fullest one until
+        every rank has as many as the rank that needs most (that many is the fewest common count,
+        and splitting a run never breaks the cap)."""
+        ranks = [self._runs(share) for share in shares]
+        count = max((len(batches) for batches in ranks), default=0)
+        for share, batches in zip(shares, ranks):
+            while len(batches) < min(count, len(share)):
+                split_largest_run(batches)  # on the runs as packed: each still lists its longest first
+        return [sort_heaviest_first_by(batches, self.price) for batches in ranks]
+
+    def _runs(self, share: Sequence[int]) -> list[list[int]]:
+        return pack_padded(share, self.lengths, self.token_cap, self.order, self.pad_to_multiple_of)
+
+
+def packer_for(padding: str, lengths: Sequence[int], costs: Sequence[float], token_cap: int,
+               order: Sequence[int] | None, model: CostModel, pad_to_multiple_of: int = 1) -> Packer:
+    """The packer of the collator ``padding`` names (``costs``: the per-sample costs the planner balances)."""
+    if padding == "packed":
+        return PackedPacker(lengths, costs, token_cap, order, model)
+    return PaddedPacker(lengths, token_cap, order, model, pad_to_multiple_of)
+
+
 def _fill_empty(batches: list[list[int]], costs: Sequence[float]) -> None:
     """Karmarkar-Karp may leave a group empty when one item dwarfs the rest; give it the cheapest
     item of the fullest group so every micro-batch has a sample."""
@@ -181,3 +285,4 @@ def _fill_empty(batches: list[list[int]], costs: Sequence[float]) -> None:
             cheapest = min(donor, key=lambda i: costs[i])
             donor.remove(cheapest)
             batch.append(cheapest)
+
