@@ -24,6 +24,10 @@ Micro-batches are priced the way the data collator builds them (``padding``):
   Each rank then packs its samples as runs of similar lengths (:func:`~ds_odc.balance.packing.pack_padded`),
   since mixing a long sample with short ones pays for the long one on every row.
 
+LB-Mini and LB-Micro balance ranks the same way for both; the collator's
+:class:`~ds_odc.balance.packing.Packer` packs each rank's share, brings ranks to one micro-batch
+count, and prices a micro-batch.
+
 >>> plan = plan_minibatch([8, 7, 2, 2], world_size=1, token_cap=16, padding="padded")
 >>> plan.for_rank(0), plan.micro_batch_tokens(), plan.micro_batch_costs()
 ([[0, 1], [2, 3]], [[16, 4]], [[16.0, 4.0]])
@@ -38,8 +42,7 @@ from typing import Sequence
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.packing import (
-    check_lengths, check_padding, micro_batch_cost, micro_batch_tokens, minimal_micro_batches, pack, pack_padded,
-    padded_length, sort_heaviest_first_by, split_into, split_largest_run)
+    Packer, check_lengths, check_padding, micro_batch_cost, micro_batch_tokens, packer_for, padded_length)
 from ds_odc.balance.partition import karmarkar_karp, refine
 from ds_odc.errors import ODCError
 
@@ -137,17 +140,46 @@ def plan_minibatch(lengths: Sequence[int], world_size: int, token_cap: int, poli
         shares = [sorted(range(rank, len(lengths), world_size), key=lambda i: (-lengths[i], i))
                   for rank in range(world_size)]
         batches = [[[i] for i in share] for share in shares]
-    elif padding == "padded":
-        padded = _Padded(lengths, token_cap, order, model, pad_to_multiple_of)
-        batches = padded.lb_micro(costs, world_size) if policy == "lb-micro" else padded.lb_mini(costs, world_size)
-    elif policy == "lb-micro":
-        batches = _lb_micro(lengths, costs, world_size, token_cap, order)
     else:
-        batches = _lb_mini(lengths, costs, world_size, token_cap, order, model)
+        packer = packer_for(padding, lengths, costs, token_cap, order, model, pad_to_multiple_of)
+        balance = lb_micro if policy == "lb-micro" else lb_mini
+        batches = balance(costs, world_size, order, packer)
     plan = Plan(policy, lengths, token_cap, model, tuple(tuple(tuple(b) for b in r) for r in batches), padding,
                 pad_to_multiple_of)
     plan.validate()
     return plan
+
+
+def lb_mini(costs: Sequence[float], world_size: int, order: Sequence[int], packer: Packer) -> list[list[list[int]]]:
+    """Balance totals with and without equal counts, pack each rank on its own, and keep the best
+    plan by the ODC step cost *including* each micro-batch's fixed cost and padding (which packing
+    decides); LB-Micro's plan is a candidate too, so LB-Mini is never worse than it for ODC.
+    ``packer`` says how the collator builds a micro-batch (:class:`~ds_odc.balance.packing.Packer`).
+
+    >>> from ds_odc.balance.packing import PackedPacker
+    >>> lengths, order = [9, 1, 1, 1], [0, 1, 2, 3]  # tokens model: a sample costs its length
+    >>> packer = PackedPacker(lengths, costs=lengths, token_cap=16, order=order, model=CostModel.tokens())
+    >>> lb_mini(lengths, 2, order, packer)  # ranks cost 9 and 3 (LB-Micro, below: 10 and 2)
+    [[[0]], [[1, 2, 3]]]
+    """
+    unequal = _balanced_shares(costs, world_size, order, equal_size=False)
+    _give_every_rank_a_sample(unequal, costs)
+    equal = _balanced_shares(costs, world_size, order, equal_size=True)
+    candidates = [[packer.pack(share) for share in shares] for shares in (unequal, equal)]
+    candidates.append(packer.same_count(equal))
+    return min(candidates, key=lambda plan: _odc_cost_key(plan, packer.price))
+
+
+def lb_micro(costs: Sequence[float], world_size: int, order: Sequence[int], packer: Packer) -> list[list[list[int]]]:
+    """Equal sample counts per rank (balanced by cost), then the same micro-batch count on every rank.
+
+    >>> from ds_odc.balance.packing import PackedPacker
+    >>> lengths, order = [9, 1, 1, 1], [0, 1, 2, 3]
+    >>> packer = PackedPacker(lengths, costs=lengths, token_cap=16, order=order, model=CostModel.tokens())
+    >>> lb_micro(lengths, 2, order, packer)  # two samples and one micro-batch each: ranks cost 10 and 2
+    [[[0, 3]], [[1, 2]]]
+    """
+    return packer.same_count(_balanced_shares(costs, world_size, order, equal_size=True))
 
 
 def _balanced_shares(costs, world_size, order, equal_size):
@@ -155,37 +187,10 @@ def _balanced_shares(costs, world_size, order, equal_size):
     return refine(costs, shares, equal_size=equal_size)
 
 
-def _lb_mini(lengths, costs, world_size, token_cap, order, model):
-    """Balance totals with and without equal counts, pack each rank on its own, and keep the best
-    plan by the ODC step cost *including* each micro-batch's fixed cost (which packing decides);
-    LB-Micro's plan is a candidate too, so LB-Mini is never worse than it for ODC."""
-    unequal = _balanced_shares(costs, world_size, order, equal_size=False)
-    _give_every_rank_a_sample(unequal, costs)
-    equal = _balanced_shares(costs, world_size, order, equal_size=True)
-    candidates = [[pack(share, lengths, costs, token_cap, order) for share in shares] for shares in (unequal, equal)]
-    candidates.append(_pack_same_count(equal, lengths, costs, token_cap, order))
-    return min(candidates, key=lambda plan: _odc_cost_key(plan, costs, model))
-
-
-def _odc_cost_key(batches, costs, model):
-    totals = [sum(sum(costs[i] for i in batch) + model.per_micro_batch for batch in rank) for rank in batches]
+def _odc_cost_key(batches, price):
+    """The busiest rank's total, then the spread between ranks (of two plans as slow, the more even)."""
+    totals = [sum(price(batch) for batch in rank) for rank in batches]
     return (max(totals), max(totals) - min(totals))
-
-
-def _lb_micro(lengths, costs, world_size, token_cap, order):
-    return _pack_same_count(_balanced_shares(costs, world_size, order, equal_size=True), lengths, costs, token_cap,
-                            order)
-
-
-def _pack_same_count(shares, lengths, costs, token_cap, order):
-    count = max(minimal_micro_batches(share, lengths, token_cap) for share in shares)
-    while True:
-        # a rank with no sample (fewer samples than ranks) has no micro-batch: it must not block the loop
-        attempt = [split_into(share, min(count, len(share)), lengths, costs, token_cap, order) if share else []
-                   for share in shares]
-        if all(batches is not None for batches in attempt):
-            return attempt
-        count += 1  # every rank moves to one more micro-batch together, as the counts must agree
 
 
 def _give_every_rank_a_sample(shares, costs):
@@ -199,52 +204,3 @@ def _give_every_rank_a_sample(shares, costs):
             cheapest = min(donor, key=lambda i: costs[i])
             donor.remove(cheapest)
             share.append(cheapest)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Padded:
-    """LB-Mini and LB-Micro for a padding collator: the same balancing of per-sample costs, but each
-    rank packs with :func:`~ds_odc.balance.packing.pack_padded` and plans are priced padded."""
-
-    lengths: tuple[int, ...]
-    token_cap: int
-    order: list[int]
-    model: CostModel
-    pad_to_multiple_of: int
-
-    def price(self, batch) -> float:
-        return micro_batch_cost([self.lengths[i] for i in batch], self.model, "padded", self.pad_to_multiple_of)
-
-    def pack(self, share) -> list[list[int]]:
-        return pack_padded(share, self.lengths, self.token_cap, self.order, self.pad_to_multiple_of)
-
-    def lb_mini(self, costs, world_size):
-        """As packed LB-Mini: balanced totals with and without equal counts, plus the LB-Micro plan,
-        the best by padded ODC step cost (so LB-Mini is never worse than LB-Micro for ODC here either)."""
-        unequal = _balanced_shares(costs, world_size, self.order, equal_size=False)
-        _give_every_rank_a_sample(unequal, costs)
-        equal = _balanced_shares(costs, world_size, self.order, equal_size=True)
-        candidates = [[sort_heaviest_first_by(self.pack(share), self.price) for share in shares]
-                      for shares in (unequal, equal)]
-        candidates.append(self.same_count(equal))
-        return min(candidates, key=self.odc_cost_key)
-
-    def lb_micro(self, costs, world_size):
-        return self.same_count(_balanced_shares(costs, world_size, self.order, equal_size=True))
-
-    def same_count(self, shares):
-        """Each rank's fewest runs, then ranks with fewer micro-batches split their fullest one until
-        every rank has as many as the rank that needs most (that many is the fewest common count, and
-        splitting a run never breaks the cap). A rank with fewer samples than that count (shares
-        differ by one when ranks do not divide the samples) stops at one sample per micro-batch, as
-        packed LB-Micro does."""
-        ranks = [self.pack(share) for share in shares]
-        count = max((len(batches) for batches in ranks), default=0)
-        for share, batches in zip(shares, ranks):
-            while len(batches) < min(count, len(share)):
-                split_largest_run(batches)
-        return [sort_heaviest_first_by(batches, self.price) for batches in ranks]
-
-    def odc_cost_key(self, batches):
-        totals = [sum(self.price(batch) for batch in rank) for rank in batches]
-        return (max(totals), max(totals) - min(totals))
