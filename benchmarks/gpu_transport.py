@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from ds_odc.comm.rendezvous import RoundKind
+from ds_odc.runtime.vocabulary import RoundKind
 
 MIB = 1 << 20
 

@@ -11,7 +11,7 @@ class ODCConfigError(ODCError, ValueError):
 
 class ODCPeerError(ODCError):
     """A peer rank died, failed, stalled past the timeout, or disagreed with this rank at a rendezvous.
-    ``record`` (a :class:`~ds_odc.comm.control.FailureRecord`, where known) names the rank at the
+    ``record`` (a :class:`~ds_odc.comm.failure.FailureRecord`, where known) names the rank at the
     origin of the failure, where it happened and its error."""
 
     def __init__(self, message: str, record=None):

@@ -100,7 +100,7 @@ def transports() -> Dict[str, Tuple[bool, str]]:
 
 def topology() -> Dict[str, str]:
     """The layout this process's launcher announces (WORLD_SIZE, LOCAL_WORLD_SIZE), and what ODC makes of it."""
-    from ds_odc.runtime.topology import launcher_topology
+    from ds_odc.comm.topology import launcher_topology
 
     found = launcher_topology(os.environ)
     if found is None:

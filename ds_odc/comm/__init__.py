@@ -1,4 +1,7 @@
-"""Transports: where shards live and how peers reach them. Nothing here knows about DeepSpeed."""
+"""Every way bytes move between ranks: the node transports (shm, cuda_ipc) with their control plane,
+the cross-node link and the job's nodes. Nothing here knows about DeepSpeed, and nothing here
+imports the step protocol above it (``ds_odc.runtime``): rounds and activities are numbers, named by
+the :class:`~ds_odc.comm.wording.Wording` the protocol hands in."""
 from __future__ import annotations
 
 import os
@@ -7,9 +10,10 @@ import torch
 
 from ds_odc.comm.shm import ShmTransport
 from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.comm.wording import NUMBERS, Wording
 from ds_odc.errors import ODCConfigError
 
-__all__ = ["Transport", "WindowSpec", "ShmTransport", "create_transport", "available_transports",
+__all__ = ["Transport", "WindowSpec", "ShmTransport", "Wording", "create_transport", "available_transports",
            "select_transport"]
 
 #: Values of ``zero_optimization.odc.transport`` besides "auto", and the device type each serves.
@@ -68,16 +72,17 @@ def _describe() -> str:
 
 def create_transport(name: str, *, rank: int, world_size: int, timeout_s: float, device: str = "cpu",
                      shm_dir: str = "/dev/shm", stripe_numel: int = 1 << 20, group=None,
-                     first_rank: int = 0) -> Transport:
+                     first_rank: int = 0, wording: Wording = NUMBERS) -> Transport:
     """Build the transport named in ``odc.transport`` ("auto" picks by the device of the shards:
     CPU -> "shm", CUDA -> "cuda_ipc"). ``device`` is where the shards live, e.g. "cpu" or "cuda:1".
     ``rank`` and ``world_size`` are within ``group``, the ranks of one node (default: every rank);
-    ``first_rank`` is the job's rank of the node's rank 0, so that errors name job ranks."""
+    ``first_rank`` is the job's rank of the node's rank 0, so that errors name job ranks; ``wording``
+    names round kinds and activities in its errors."""
     name = select_transport(name, device)
     if name == "shm":
         return ShmTransport(rank, world_size, timeout_s, shm_dir=shm_dir, stripe_numel=stripe_numel, group=group,
-                            first_rank=first_rank)
+                            first_rank=first_rank, wording=wording)
     from ds_odc.comm.cuda_ipc import CudaIpcTransport
 
     return CudaIpcTransport(rank, world_size, timeout_s, device=device, shm_dir=shm_dir, group=group,
-                            first_rank=first_rank)
+                            first_rank=first_rank, wording=wording)

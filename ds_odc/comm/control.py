@@ -3,7 +3,7 @@
 Every rank owns one block (a few KiB of shared memory) that it alone writes and every peer reads::
 
     header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag
-    failure  origin rank, step, round kind, message bytes     (the group's poison record)
+    failure  length, record bytes                             (the group's poison record, comm/failure.py)
     slot 0   seq, step, kind, length, payload[width]           (rendezvous rounds of even seq)
     slot 1   seq, step, kind, length, payload[width]           (odd seq)
     blob     length, bytes                                    (e.g. CUDA IPC handles)
@@ -14,23 +14,25 @@ word before reading what it guards (:mod:`ds_odc.comm.ordering`). Heartbeat and 
 informational (progress and error messages) and use plain accesses.
 
 :class:`ControlPlane` is one rank's view of the group: its own block, its peers' blocks, and a
-liveness test per peer (the life lock of :mod:`ds_odc.comm.locks` for real transports).
+liveness test per peer (the life lock of :mod:`ds_odc.comm.locks` for real transports). Activities
+and round kinds are numbers here; the protocol above supplies their words (:mod:`ds_odc.comm.wording`).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 
-MAGIC = 0x0DC0_0002  # layout version: a block of another layout is refused, not misread
+from ds_odc.comm.failure import RECORD_BYTES, FailureRecord
+from ds_odc.comm.wording import NUMBERS, Wording
+
+MAGIC = 0x0DC0_0003  # layout version: a block of another layout is refused, not misread
 # header words
 W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED = range(8)
 HEADER_WORDS = 16
-MESSAGE_BYTES = 1024
-FAILURE_AT = HEADER_WORDS  # origin, step, kind, nbytes, message
-SLOTS_AT = FAILURE_AT + 4 + MESSAGE_BYTES // 8
+FAILURE_AT = HEADER_WORDS  # nbytes, then the record's bytes
+SLOTS_AT = FAILURE_AT + 1 + RECORD_BYTES // 8
 SLOT_HEADER = 4  # seq, step, kind, length
 BLOB_BYTES = 256
 
@@ -45,69 +47,9 @@ class State(enum.IntEnum):
     CLOSED = 4  # the rank released its transport (engine.destroy())
 
 
-class Activity(enum.IntEnum):
-    """What a rank is doing, for the errors its peers raise (never used for decisions)."""
-
-    STARTING = 0
-    IDLE = 1
-    MICRO_BATCHES = 2
-    IN_ROUND = 3
-    UPDATING = 4
-    SAVING = 5
-    CLOSED = 6
-
-
-_ACTIVITY_TEXT = {
-    Activity.STARTING: "starting up",
-    Activity.IDLE: "idle before step {step} (no micro-batch of it yet)",
-    Activity.MICRO_BATCHES: "running forward/backward of step {step} ({count} micro-batches done)",
-    Activity.IN_ROUND: "waiting at a rendezvous round of step {step}",
-    Activity.UPDATING: "running the optimizer update of step {step}",
-    Activity.SAVING: "saving a checkpoint (before step {step})",
-    Activity.CLOSED: "closed (engine.destroy())",
-}
-
-
 def block_words(width: int) -> int:
     """Size in 64-bit words of a control block whose rounds carry up to ``width`` values."""
     return SLOTS_AT + 2 * (SLOT_HEADER + width) + 1 + BLOB_BYTES // 8
-
-
-class FailureKind(enum.IntEnum):
-    """How the origin failed: it raised, or a peer saw it stall, exit or close."""
-
-    RAISED = 0
-    STALLED = 1
-    EXITED = 2
-    CLOSED = 3
-
-
-@dataclass(frozen=True)
-class FailureRecord:
-    """Why the group cannot continue: who failed first, where, and the error.
-
-    RAISED: ``where`` is the phase ("the step fence", "a gradient push"), ``error`` "Type: message".
-    STALLED / EXITED / CLOSED: ``where`` is what the rank was last doing, ``error`` what was seen of it
-    ("made no progress for 600s", "exited ..."), as a peer recorded it."""
-
-    origin: int
-    step: int
-    where: str
-    error: str
-    kind: FailureKind = FailureKind.RAISED
-
-    def describe(self) -> str:
-        if self.kind is FailureKind.RAISED:
-            return f"rank {self.origin} failed at {self.where} (step {self.step}): {self.error}"
-        return f"rank {self.origin} {self.error} while {self.where}"
-
-    def encode(self) -> bytes:
-        return f"{self.where}\n{self.error}".encode("utf-8", "replace")[:MESSAGE_BYTES]
-
-    @classmethod
-    def decode(cls, origin: int, step: int, kind: int, raw: bytes) -> "FailureRecord":
-        where, _, error = raw.decode("utf-8", "replace").partition("\n")
-        return cls(origin, step, where, error, FailureKind(kind))
 
 
 class ControlBlock:
@@ -142,24 +84,22 @@ class ControlBlock:
     def write_failure(self, record: FailureRecord) -> None:
         """Record ``record`` and publish State.FAILED (the record is visible before the state)."""
         raw = record.encode()
-        base = FAILURE_AT
-        self.words[base:base + 4] = torch.tensor([record.origin, record.step, int(record.kind), len(raw)],
-                                                 dtype=torch.int64)
-        start = (base + 4) * 8
+        self.words[FAILURE_AT] = len(raw)
+        start = (FAILURE_AT + 1) * 8
         self.bytes[start:start + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self.set_state(State.FAILED)
 
     def read_failure(self) -> FailureRecord:
         """The record of a block whose state was acquire-loaded as FAILED."""
-        origin, step, kind, nbytes = (int(v) for v in self.words[FAILURE_AT:FAILURE_AT + 4].tolist())
-        start = (FAILURE_AT + 4) * 8
-        return FailureRecord.decode(origin, step, kind, bytes(self.bytes[start:start + nbytes].tolist()))
+        nbytes = int(self.words[FAILURE_AT])
+        start = (FAILURE_AT + 1) * 8
+        return FailureRecord.decode(bytes(self.bytes[start:start + nbytes].tolist()))
 
     # -- progress and activity (plain accesses) --------------------------------------------------------
     def heartbeat(self) -> None:
         self._plain[W_HEARTBEAT] += 1
 
-    def set_activity(self, activity: Activity, step: int, count: int = 0) -> None:
+    def set_activity(self, activity: int, step: int, count: int = 0) -> None:
         plain = self._plain
         plain[W_ACTIVITY_STEP] = step
         plain[W_ACTIVITY_COUNT] = count
@@ -169,13 +109,9 @@ class ControlBlock:
         """Changes whenever the rank makes progress (beats, changes activity, enters a round)."""
         return tuple(self._plain[W_HEARTBEAT:W_ACTIVITY_COUNT + 1].tolist()) + (self.latest_seq(),)
 
-    def activity_text(self) -> str:
-        activity, step, count = self._plain[W_ACTIVITY:W_ACTIVITY_COUNT + 1].tolist()
-        try:
-            template = _ACTIVITY_TEXT[Activity(activity)]
-        except ValueError:
-            return f"in an unknown activity {activity}"
-        return template.format(step=step, count=count)
+    def activity(self) -> tuple:
+        """``(activity, step, count)`` as the rank last set them (plain reads: informational)."""
+        return tuple(int(v) for v in self._plain[W_ACTIVITY:W_ACTIVITY_COUNT + 1].tolist())
 
     def pid(self) -> int:
         return int(self.words[W_PID])
@@ -230,11 +166,12 @@ class ControlPlane:
     """One rank's view of the group's control blocks.
 
     ``alive(r)`` says whether peer ``r``'s process still exists (transports pass the life-lock test;
-    in-process tests pass their own). ``describe(r)`` names a peer in errors (rank, host, pid).
+    in-process tests pass their own). ``describe(r)`` names a peer in errors (rank, host, pid);
+    ``wording`` names round kinds and activities.
     """
 
     def __init__(self, rank: int, blocks: List[ControlBlock], alive: Callable[[int], bool],
-                 describe: Optional[Callable[[int], str]] = None, first_rank: int = 0):
+                 describe: Optional[Callable[[int], str]] = None, first_rank: int = 0, wording: Wording = NUMBERS):
         self.rank = rank
         self.first_rank = first_rank  # block r belongs to the job's rank first_rank + r
         self.world_size = len(blocks)
@@ -242,6 +179,7 @@ class ControlPlane:
         self.me = blocks[rank]
         self._alive = alive
         self._describe = describe or (lambda r: f"rank {first_rank + r}")
+        self.wording = wording
 
     def peers(self) -> List[int]:
         return [r for r in range(self.world_size) if r != self.rank]
@@ -255,6 +193,10 @@ class ControlPlane:
 
     def describe(self, peer: int) -> str:
         return self._describe(peer)
+
+    def activity_text(self, peer: int) -> str:
+        """What ``peer`` was last doing, in the protocol's words."""
+        return self.wording.activity(*self.blocks[peer].activity())
 
     def failure_of(self, peer: int) -> Optional[FailureRecord]:
         block = self.blocks[peer]

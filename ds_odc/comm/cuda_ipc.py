@@ -4,7 +4,7 @@ Per rank, created once in :meth:`CudaIpcTransport.allocate`: a parameter window 
 and a gradient accumulator (fp32 or fp64), each one ``cudaMalloc`` whose IPC handles travel in the
 rank's control block; every rank maps every peer's windows. The control plane (lock file, control
 block, typed rounds, liveness, the failure record) is the ``shm`` transport's, allocated by the same
-:class:`~ds_odc.comm.session.NodeAllocation` protocol: a fence is a handful of stores in host
+:class:`~ds_odc.comm.allocation.NodeAllocation` protocol: a fence is a handful of stores in host
 shared memory, and dead, failed or stuck peers are detected there exactly as on CPU.
 
 * **pull** = ``out.copy_(peer_window[offset:offset+n])`` on a dedicated pull stream, which first
@@ -31,19 +31,19 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Sequence
 
 import torch
 import torch.distributed as tdist
 
+from ds_odc.comm.allocation import NodeAllocation, format_bytes
+from ds_odc.comm.backoff import wait_until
 from ds_odc.comm.batch import Completion, Transfer
-from ds_odc.comm.control import ControlPlane, State, W_UNMAPPED
+from ds_odc.comm.control import W_UNMAPPED
 from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
-from ds_odc.comm.rendezvous import Rendezvous, RoundKind
-from ds_odc.comm.session import NodeAllocation, format_bytes
 from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.comm.wording import NUMBERS, Wording
 from ds_odc.errors import ODCConfigError
 
 #: Gradient dtypes the push kernel reads directly; others are converted to fp32 first.
@@ -65,8 +65,8 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, device: torch.device | str | int,
                  shm_dir: str = "/dev/shm", group=None, push_threads: int = DEFAULT_THREADS,
-                 push_max_blocks: int = DEFAULT_MAX_BLOCKS, first_rank: int = 0):
-        super().__init__(rank, world_size, timeout_s, first_rank)
+                 push_max_blocks: int = DEFAULT_MAX_BLOCKS, first_rank: int = 0, wording: Wording = NUMBERS):
+        super().__init__(rank, world_size, timeout_s, first_rank, wording)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"CudaIpcTransport needs a CUDA device, got {device}")
@@ -98,24 +98,15 @@ class CudaIpcTransport(Transport):
         resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
         allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, {}, self.group,
                                     self.first_rank)
-        allocation.plan()
-        try:
-            with allocation.guarded():
-                allocation.run(lambda: self._create_windows(allocation, spec))
-                allocation.agree(f"allocating its GPU windows on {self.device}")
-                allocation.run(lambda: self._map_every_rank(allocation, spec))
-                allocation.agree("mapping its peers' GPU windows")
-                allocation.unlink_own()
-        except BaseException:
-            allocation.abort()
-            self._release_after_failure()
-            raise
+        allocation.allocate(create=lambda: self._create_windows(allocation, spec),
+                            map_peers=lambda: self._map_every_rank(allocation, spec),
+                            release=self._release_after_failure,
+                            creating=f"allocating its GPU windows on {self.device}",
+                            mapping="mapping its peers' GPU windows")
         self._pull_stream = torch.cuda.Stream(device=self.device)
-        self._blocks[self.rank].set_state(State.RUNNING)
-        self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
-                                  lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid}, {devices[r].uuid})",
-                                  self.first_rank)
-        self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
+        self._start_plane(self._blocks, lambda r: self._locks[r].owner_alive(),
+                          lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid}, {devices[r].uuid})",
+                          spec.exchange_width)
 
     def _create_windows(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
         block = allocation.create_own_files(self.timeout_s)
@@ -225,7 +216,7 @@ class CudaIpcTransport(Transport):
         done.record(torch.cuda.current_stream(self.device))
         return _StreamCompletion(done, self.device)
 
-    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
+    def exchange(self, kind: int, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         torch.cuda.synchronize(self.device)  # this rank's pushes, pulls and window writes have completed
         return super().exchange(kind, step, values, what)
 
@@ -258,15 +249,13 @@ class CudaIpcTransport(Transport):
             return False
         me = self.plane.me
         me.ordering.store_release(me.words, W_UNMAPPED, 1)
-        deadline = time.monotonic() + min(self.timeout_s, CLOSE_WAIT_S)
-        pending = self.plane.peers()
-        while pending:
-            pending = [r for r in pending if self.plane.blocks[r].ordering.load_acquire(
-                self.plane.blocks[r].words, W_UNMAPPED) != 1 and self.plane.alive(r)]
-            if not pending or time.monotonic() > deadline:
-                break
-            time.sleep(1e-3)
-        return not pending
+        plane = self.plane
+
+        def every_live_peer_unmapped() -> bool:
+            return all(plane.blocks[r].ordering.load_acquire(plane.blocks[r].words, W_UNMAPPED) == 1
+                       or not plane.alive(r) for r in plane.peers())
+
+        return wait_until(every_live_peer_unmapped, min(self.timeout_s, CLOSE_WAIT_S), first_s=1e-3)
 
 
 class _StreamCompletion(Completion):

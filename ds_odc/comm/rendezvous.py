@@ -1,7 +1,8 @@
 """Typed rendezvous rounds over the control blocks: checked, bounded, and never misread.
 
 A round is identified by ``(seq, step, kind, length)``: the rank's round counter, the optimizer
-step it belongs to, what the round is for (:class:`RoundKind`) and how many values it carries.
+step it belongs to, what the round is for (a number the protocol above assigns and names, see
+:mod:`ds_odc.comm.wording`) and how many values it carries.
 Round ``seq`` writes its payload into the slot of parity ``seq % 2`` and publishes the header with
 a release store of ``seq``; it completes once every peer's slot of that parity holds ``seq``. Two
 slots suffice: a rank can start round ``seq + 2`` only after every rank has *arrived* at
@@ -24,13 +25,14 @@ whatever round the peers are in).
 """
 from __future__ import annotations
 
-import enum
 import time
 from typing import Optional
 
 import torch
 
-from ds_odc.comm.control import ControlPlane, FailureKind, FailureRecord, State
+from ds_odc.comm.backoff import Backoff
+from ds_odc.comm.control import ControlPlane, State
+from ds_odc.comm.failure import FailureKind, FailureRecord
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
 #: How often a waiting rank checks that the peers it waits for are alive.
@@ -39,39 +41,6 @@ TIMEOUT_HINT = ("A rank busy with long host-side work between backward and engin
                 "saving) needs a longer bound: set zero_optimization.odc.timeout_s (seconds), or the process-group "
                 "timeout it follows by default (deepspeed.init_distributed(timeout=...), or DEEPSPEED_TIMEOUT in "
                 "minutes).")
-
-
-class RoundKind(enum.IntEnum):
-    """What a round is for; the text is how errors name it."""
-
-    FENCE = 1
-    NORM = 2
-    PUBLISH = 3
-    WINDOWS_REWRITTEN = 4
-    BARRIER = 5
-    TEST = 6
-    OPEN = 7
-    GRADIENT_FENCE = 8
-    DISCARD = 9
-
-    @property
-    def text(self) -> str:
-        return {RoundKind.FENCE: "the step fence (engine.step)",
-                RoundKind.NORM: "the gradient-norm exchange",
-                RoundKind.PUBLISH: "publishing updated shards",
-                RoundKind.WINDOWS_REWRITTEN: "publishing shards rewritten outside a step",
-                RoundKind.BARRIER: "a barrier",
-                RoundKind.TEST: "a test round",
-                RoundKind.OPEN: "the first rendezvous after initialize (publishing shards written since)",
-                RoundKind.GRADIENT_FENCE: "a gradient fence outside a step (reading gradients before engine.step)",
-                RoundKind.DISCARD: "discarding gradients (optimizer.zero_grad outside a step)"}[self]
-
-
-def kind_text(kind: int) -> str:
-    try:
-        return RoundKind(kind).text
-    except ValueError:
-        return f"round kind {kind}"
 
 
 class Rendezvous:
@@ -84,7 +53,7 @@ class Rendezvous:
         self.seq = 0  # rounds this rank completed
         self.broken: Optional[ODCPeerError] = None
 
-    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
+    def exchange(self, kind: int, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         """Contribute ``values`` (1-D, at most ``width``) to round ``kind`` of ``step``; return the
         ``[world, n]`` float64 rows, row r from rank r. Raises :class:`~ds_odc.errors.ODCPeerError`
         (:class:`~ds_odc.errors.ODCTimeoutError` for a stalled peer) carrying the failure's record."""
@@ -99,7 +68,7 @@ class Rendezvous:
         me = self.plane.me
         me.write_round(seq, step, int(kind), values)
         try:
-            self._wait(seq, step, int(kind), n, what or RoundKind(kind).text)
+            self._wait(seq, step, int(kind), n, what or self.plane.wording.round_name(int(kind)))
         except ODCPeerError as err:
             self.broken = err
             raise
@@ -115,7 +84,7 @@ class Rendezvous:
         marks = {r: plane.blocks[r].progress_mark() for r in pending}
         last_progress = dict.fromkeys(pending, time.monotonic())
         next_check = time.monotonic() + LIVENESS_PERIOD_S
-        pause = 5e-6
+        backoff = Backoff()
         while True:
             still = []
             for r in pending:
@@ -132,17 +101,17 @@ class Rendezvous:
             if now >= next_check:
                 next_check = now + LIVENESS_PERIOD_S
                 self._check_pending(pending, marks, last_progress, now, here, step)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            backoff.sleep()
 
     def _check_header(self, peer: int, theirs: tuple, mine: tuple, seq: int, here: str) -> None:
         if theirs == mine:
             return
         step, kind, n = theirs
-        message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text(kind)}, step {step}, {n} values) "
+        kind_text = self.plane.wording.round_name(kind)
+        message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text}, step {step}, {n} values) "
                    f"where {here.replace('was at', 'is at')} with {mine[2]} values: the ranks called different things "
                    "(e.g. engine.step() or save_checkpoint() on some ranks only, or a different number of times)")
-        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text(kind),
+        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text,
                                           "rounds out of step: " + message))
 
     def _raise_on_failures(self, ranks, here: str) -> None:
@@ -163,7 +132,7 @@ class Rendezvous:
                                        "closed its engine (engine.destroy())", FailureKind.CLOSED)
                 self._fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {here}", record)
             if not plane.alive(r):
-                record = FailureRecord(plane.job_rank(r), step, block.activity_text(),
+                record = FailureRecord(plane.job_rank(r), step, plane.activity_text(r),
                                        "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
                 self._fail(f"{plane.describe(r)} {record.error} while {record.where}; {here}", record)
             mark = block.progress_mark()
@@ -172,7 +141,7 @@ class Rendezvous:
         stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
         if stalled:
             r = stalled[0]
-            record = FailureRecord(plane.job_rank(r), step, plane.blocks[r].activity_text(),
+            record = FailureRecord(plane.job_rank(r), step, plane.activity_text(r),
                                    f"made no progress for {self.timeout_s:.0f}s", FailureKind.STALLED)
             message = f"{plane.describe(r)} {record.error}; it was last {record.where}; {here}. {TIMEOUT_HINT}"
             self._fail(message, record, timeout=True)

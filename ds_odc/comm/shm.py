@@ -2,7 +2,7 @@
 
 Per rank: a parameter window (compute dtype), a gradient accumulator (fp32 or fp64), a control
 block and a lock file (liveness, accumulator stripes), all created, reserved and mapped by
-:class:`~ds_odc.comm.session.NodeAllocation` and unlinked as soon as every rank has mapped them.
+:class:`~ds_odc.comm.allocation.NodeAllocation` and unlinked as soon as every rank has mapped them.
 
 * pull  = ``out.copy_(peer_window[offset:offset+n])``: a plain read of the peer's pages;
 * push  = for each stripe touched: lock, ``peer_acc[a:b].add_(grad)``, unlock. A gradient in
@@ -20,20 +20,19 @@ from typing import Sequence
 
 import torch
 
+from ds_odc.comm.allocation import NodeAllocation
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
-from ds_odc.comm.control import ControlPlane, State
-from ds_odc.comm.rendezvous import Rendezvous
 from ds_odc.comm.segments import map_segment
-from ds_odc.comm.session import NodeAllocation
 from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.comm.wording import NUMBERS, Wording
 
 
 class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, shm_dir: str = "/dev/shm",
-                 stripe_numel: int = 1 << 20, group=None, first_rank: int = 0):
-        super().__init__(rank, world_size, timeout_s, first_rank)
+                 stripe_numel: int = 1 << 20, group=None, first_rank: int = 0, wording: Wording = NUMBERS):
+        super().__init__(rank, world_size, timeout_s, first_rank, wording)
         self.shm_dir = shm_dir
         self.stripe_numel = stripe_numel
         self.group = group
@@ -49,25 +48,17 @@ class ShmTransport(Transport):
                    "grads": spec.grad_numel * _itemsize(spec.grad_dtype)}
         allocation = NodeAllocation(self.rank, self.world_size, self.shm_dir, spec.exchange_width, windows,
                                     self.group, self.first_rank)
-        allocation.plan()
-        try:
-            with allocation.guarded():
-                allocation.run(lambda: allocation.create_own_files(self.timeout_s))
-                allocation.agree("creating its shared-memory windows")
-                allocation.run(lambda: self._map_every_rank(allocation, spec))
-                allocation.agree("mapping its peers' windows")
-                allocation.unlink_own()
-        except BaseException:
-            allocation.abort()
-            self._param_windows.clear()
-            self._grad_windows.clear()
-            self._blocks.clear()
-            self._closed = True
-            raise
-        self._blocks[self.rank].set_state(State.RUNNING)
-        self.plane = ControlPlane(self.rank, self._blocks, lambda r: self._locks[r].owner_alive(),
-                                  lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid})", self.first_rank)
-        self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
+        allocation.allocate(create=lambda: allocation.create_own_files(self.timeout_s),
+                            map_peers=lambda: self._map_every_rank(allocation, spec), release=self._forget_windows,
+                            creating="creating its shared-memory windows", mapping="mapping its peers' windows")
+        self._start_plane(self._blocks, lambda r: self._locks[r].owner_alive(),
+                          lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid})", spec.exchange_width)
+
+    def _forget_windows(self) -> None:
+        self._param_windows.clear()
+        self._grad_windows.clear()
+        self._blocks.clear()
+        self._closed = True
 
     def _map_every_rank(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
         allocation.open_peer_locks(self.timeout_s)

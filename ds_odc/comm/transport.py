@@ -26,8 +26,10 @@ from typing import Optional, Sequence
 import torch
 
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
-from ds_odc.comm.control import Activity, ControlPlane, FailureRecord, State
-from ds_odc.comm.rendezvous import Rendezvous, RoundKind
+from ds_odc.comm.control import ControlBlock, ControlPlane, State
+from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.rendezvous import Rendezvous
+from ds_odc.comm.wording import NUMBERS, Wording
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,12 @@ class Transport(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, first_rank: int = 0):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, first_rank: int = 0, wording: Wording = NUMBERS):
         self.rank = rank  # among the ranks of this node (the transport's group)
         self.world_size = world_size
         self.first_rank = first_rank  # the job's rank of this node's rank 0: errors name job ranks
         self.timeout_s = timeout_s
+        self.wording = wording  # how errors name round kinds and activities (the protocol's words)
         self.exchanges = 0  # rendezvous rounds so far; tests count them
         self.plane: Optional[ControlPlane] = None  # set by allocate()
         self.rendezvous: Optional[Rendezvous] = None
@@ -116,7 +119,7 @@ class Transport(abc.ABC):
         maps a peer's block the same way)."""
         return self.first_rank + self.rank
 
-    def exchange(self, kind: RoundKind, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
+    def exchange(self, kind: int, step: int, values: torch.Tensor, what: str = "") -> torch.Tensor:
         """Rendezvous round ``kind`` of ``step``: contribute ``values`` (1-D, at most ``exchange_width``)
         and return the ``[world_size, len(values)]`` float64 rows, row r from rank r. A peer that
         failed, died, closed, stalled for ``timeout_s`` or is at another round raises
@@ -128,7 +131,7 @@ class Transport(abc.ABC):
         """Tell peers waiting at a rendezvous that this rank is still making progress."""
         self.plane.me.heartbeat()
 
-    def note_activity(self, activity: Activity, step: int, count: int = 0) -> None:
+    def note_activity(self, activity: int, step: int, count: int = 0) -> None:
         """Record what this rank is doing (peers' errors quote it)."""
         self.plane.me.set_activity(activity, step, count)
 
@@ -141,11 +144,16 @@ class Transport(abc.ABC):
         """A failure any rank of the group has recorded, or None."""
         return self.plane.first_failure() if self.plane is not None else None
 
+    def _start_plane(self, blocks: list[ControlBlock], alive, describe, width: int) -> None:
+        """Every rank has mapped every window: this rank is RUNNING, and its rounds go through ``blocks``."""
+        blocks[self.rank].set_state(State.RUNNING)
+        self.plane = ControlPlane(self.rank, blocks, alive, describe, self.first_rank, self.wording)
+        self.rendezvous = Rendezvous(self.plane, width, self.timeout_s)
+
     def _close_plane(self) -> None:
         """Say CLOSED (unless FAILED: the record stays readable) and drop the control plane."""
         if self.plane is not None:
             if self.plane.me.state() != State.FAILED:
-                self.plane.me.set_activity(Activity.CLOSED, 0)
                 self.plane.me.set_state(State.CLOSED)
         self.plane = None
         self.rendezvous = None

@@ -34,6 +34,7 @@ import deepspeed.comm as dist
 import torch
 
 from ds_odc.errors import ODCError
+from ds_odc.integration.patching import swapped
 
 LATEST = "latest"
 
@@ -101,82 +102,85 @@ def _barriers_as_rounds(runtime):
             return runtime.barrier("a barrier in DeepSpeed's save_checkpoint")
         return original(group, *args, **kwargs)
 
-    dist.barrier = barrier
-    try:
+    with swapped(dist, "barrier", barrier):
         yield
-    finally:
-        dist.barrier = original
 
 
-class ODCCheckpointHooks:
-    """Mixin placed before ``DeepSpeedEngine`` in ``ODCEngine``'s bases. See the module docstring."""
+def save_checkpoint(engine, save, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
+    """``ODCEngine.save_checkpoint``: DeepSpeed's ``save`` (the base class's method) with its barriers as
+    ODC rounds, then every rank's files fsynced, then ``latest`` replaced atomically (module docstring)."""
+    client_state = {} if client_state is None else client_state
+    runtime = getattr(engine.optimizer, "odc", None)
+    if engine.checkpoint_engine.is_decoupled() or runtime is None:  # decoupled engines commit ``latest`` later
+        return save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    with runtime.protocol.saving():
+        with _barriers_as_rounds(runtime):
+            result = save(save_dir, tag, client_state=client_state, save_latest=False,
+                          exclude_frozen_parameters=exclude_frozen_parameters)
+        # DeepSpeed's save ended with a barrier: every rank's files are closed. Make them durable,
+        # meet again, and only then point ``latest`` at them.
+        for path in (engine._get_ckpt_name(save_dir, tag), engine._get_zero_ckpt_name(save_dir, tag)):
+            _fsync_file(path)
+        runtime.barrier("checkpoint files written (save_checkpoint)")
+        if save_latest and engine.global_rank == 0:
+            write_latest_atomically(save_dir, tag)
+        runtime.barrier("latest written (save_checkpoint)")
+    return result
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        client_state = {} if client_state is None else client_state
-        runtime = getattr(self.optimizer, "odc", None)
-        if self.checkpoint_engine.is_decoupled() or runtime is None:  # decoupled engines commit ``latest`` later
-            return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        with runtime.protocol.saving():
-            with _barriers_as_rounds(runtime):
-                result = super().save_checkpoint(save_dir, tag, client_state=client_state, save_latest=False,
-                                                 exclude_frozen_parameters=exclude_frozen_parameters)
-            # DeepSpeed's save ended with a barrier: every rank's files are closed. Make them durable,
-            # meet again, and only then point ``latest`` at them.
-            for path in (self._get_ckpt_name(save_dir, tag), self._get_zero_ckpt_name(save_dir, tag)):
-                _fsync_file(path)
-            runtime.barrier("checkpoint files written (save_checkpoint)")
-            if save_latest and self.global_rank == 0:
-                write_latest_atomically(save_dir, tag)
-            runtime.barrier("latest written (save_checkpoint)")
-        return result
 
-    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        universal = self.load_universal_checkpoint()
-        resolved = tag if tag is not None else _read_tag(load_dir, "latest_universal" if universal else LATEST)
-        if resolved is not None and not universal:
-            self._odc_check_world_size(load_dir, str(resolved))
-        load_path, client_state = super().load_checkpoint(load_dir, tag, *args, **kwargs)
-        if load_path is not None and universal and resolved is not None:
-            self._odc_restore_module_state(os.path.join(load_dir, str(resolved)))
-        return load_path, client_state
+def load_checkpoint(engine, load, load_dir, tag=None, *args, **kwargs):
+    """``ODCEngine.load_checkpoint``: DeepSpeed's ``load``, refused up front for a non-universal
+    checkpoint of another world size, followed by the frozen parameters and buffers a universal load
+    skips, and the shards re-published to every rank."""
+    universal = engine.load_universal_checkpoint()
+    resolved = tag if tag is not None else _read_tag(load_dir, "latest_universal" if universal else LATEST)
+    if resolved is not None and not universal:
+        _check_world_size(engine, load_dir, str(resolved))
+    load_path, client_state = load(load_dir, tag, *args, **kwargs)
+    if load_path is not None and universal and resolved is not None:
+        _restore_module_state(engine, os.path.join(load_dir, str(resolved)))
+    if hasattr(engine.optimizer, "odc_republish"):
+        engine.optimizer.odc_republish()
+    return load_path, client_state
 
-    # -- helpers ---------------------------------------------------------------------------------
-    def _odc_check_world_size(self, load_dir: str, tag: str) -> None:
-        files = _model_states_files(os.path.join(load_dir, tag))
-        world = dist.get_world_size(group=self.optimizer.dp_process_group)
-        if files and len(files) != world:
-            raise ODCError(
-                f"checkpoint {os.path.join(load_dir, tag)} was saved by {len(files)} data-parallel ranks, this job "
-                f"has {world}. Convert it once with DeepSpeed's universal checkpoint tool and load that instead:\n"
-                f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(load_dir, tag)} "
-                f"--output_folder {os.path.join(load_dir, tag)}_universal\n"
-                f'and set "checkpoint": {{"load_universal": true}} in the ds_config (see README, "Checkpoints").')
 
-    @torch.no_grad()
-    def _odc_restore_module_state(self, folder: str) -> None:
-        """Frozen parameters and buffers, which DeepSpeed's ZeRO-3 universal load leaves untouched."""
-        files = _model_states_files(folder)
-        if not files:
-            raise ODCError(f"universal checkpoint {folder} has no *_model_states.pt files to restore frozen "
-                           "parameters and buffers from")
-        states = [torch.load(path, map_location="cpu", weights_only=False) for path in files]
-        first = states[0]
-        names = {param: name for name, param in self.module.named_parameters()}
-        fragments = [state.get("frozen_param_fragments") or {} for state in states]
-        shapes = first.get("frozen_param_shapes") or {}
-        rank = dist.get_rank(group=self.optimizer.dp_process_group)
-        for param in self.module.parameters():
-            name = names.get(param)
-            if param.requires_grad or name not in shapes:
-                continue
-            full = torch.cat([f[name].reshape(-1) for f in fragments]).narrow(0, 0, shapes[name].numel())
-            shard = param.ds_tensor
-            piece = full.narrow(0, min(rank * shard.numel(), full.numel()),
-                                max(0, min(shard.numel(), full.numel() - rank * shard.numel())))
-            shard.data.zero_()
-            shard.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(shard.dtype))
-        saved_module = first.get("module") or {}
-        for name, buffer in self.module.named_buffers():
-            if name in saved_module and saved_module[name].shape == buffer.shape:
-                buffer.copy_(saved_module[name].to(buffer.dtype))
+def _check_world_size(engine, load_dir: str, tag: str) -> None:
+    files = _model_states_files(os.path.join(load_dir, tag))
+    world = dist.get_world_size(group=engine.optimizer.dp_process_group)
+    if files and len(files) != world:
+        raise ODCError(
+            f"checkpoint {os.path.join(load_dir, tag)} was saved by {len(files)} data-parallel ranks, this job "
+            f"has {world}. Convert it once with DeepSpeed's universal checkpoint tool and load that instead:\n"
+            f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(load_dir, tag)} "
+            f"--output_folder {os.path.join(load_dir, tag)}_universal\n"
+            f'and set "checkpoint": {{"load_universal": true}} in the ds_config (see README, "Checkpoints").')
+
+
+@torch.no_grad()
+def _restore_module_state(engine, folder: str) -> None:
+    """Frozen parameters and buffers, which DeepSpeed's ZeRO-3 universal load leaves untouched."""
+    files = _model_states_files(folder)
+    if not files:
+        raise ODCError(f"universal checkpoint {folder} has no *_model_states.pt files to restore frozen "
+                       "parameters and buffers from")
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in files]
+    first = states[0]
+    names = {param: name for name, param in engine.module.named_parameters()}
+    fragments = [state.get("frozen_param_fragments") or {} for state in states]
+    shapes = first.get("frozen_param_shapes") or {}
+    rank = dist.get_rank(group=engine.optimizer.dp_process_group)
+    for param in engine.module.parameters():
+        name = names.get(param)
+        if param.requires_grad or name not in shapes:
+            continue
+        full = torch.cat([f[name].reshape(-1) for f in fragments]).narrow(0, 0, shapes[name].numel())
+        shard = param.ds_tensor
+        piece = full.narrow(0, min(rank * shard.numel(), full.numel()),
+                            max(0, min(shard.numel(), full.numel() - rank * shard.numel())))
+        shard.data.zero_()
+        shard.data.reshape(-1).narrow(0, 0, piece.numel()).copy_(piece.to(shard.dtype))
+    saved_module = first.get("module") or {}
+    for name, buffer in engine.module.named_buffers():
+        if name in saved_module and saved_module[name].shape == buffer.shape:
+            buffer.copy_(saved_module[name].to(buffer.dtype))

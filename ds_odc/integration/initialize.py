@@ -1,6 +1,7 @@
 """Registration of the "odc" stage: ``deepspeed.initialize`` and ZeRO config parsing.
 
-Two patches, both idempotent and undone by :func:`unregister`:
+Two patches (one :class:`~ds_odc.integration.patching.PatchSet`), both idempotent and undone by
+:func:`unregister`:
 
 * ``deepspeed.initialize``: canonicalise an "odc" config (dict, JSON path, or
   ``args.deepspeed_config``) in place, check that every rank built the same model (before
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
 
 import deepspeed
@@ -23,9 +23,10 @@ import deepspeed.runtime.config as ds_runtime_config
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_odc.config import canonicalize, is_odc_config
+from ds_odc.integration.patching import PatchSet, delegating, swapped
 from ds_odc.runtime.same_model import check_same_parameters
 
-_originals: dict = {}
+_patches = PatchSet("deepspeed.initialize and ZeRO config parsing understand the 'odc' stage")
 
 
 def _resolve_config(bound: inspect.BoundArguments):
@@ -42,27 +43,9 @@ def _resolve_config(bound: inspect.BoundArguments):
     return config, from_args
 
 
-@contextlib.contextmanager
-def _engine_class(engine_class):
-    original = deepspeed.DeepSpeedEngine
-    deepspeed.DeepSpeedEngine = engine_class
-    try:
-        yield
-    finally:
-        deepspeed.DeepSpeedEngine = original
-
-
-@contextlib.contextmanager
 def _without_args_config(args, active: bool):
-    if not active:
-        yield
-        return
-    saved = args.deepspeed_config
-    args.deepspeed_config = None
-    try:
-        yield
-    finally:
-        args.deepspeed_config = saved
+    """``args.deepspeed_config`` hidden while the canonical dict is passed as ``config``."""
+    return swapped(args, "deepspeed_config", None) if active else contextlib.nullcontext()
 
 
 def _same_model_everywhere(bound: inspect.BoundArguments) -> None:
@@ -95,7 +78,7 @@ def _odc_initialize(original, *args, **kwargs):
     _same_model_everywhere(bound)
     bound.arguments["config"] = config
     bound.arguments.pop("config_params", None)
-    with _without_args_config(bound.arguments.get("args"), from_args), _engine_class(ODCEngine):
+    with _without_args_config(bound.arguments.get("args"), from_args), swapped(deepspeed, "DeepSpeedEngine", ODCEngine):
         return original(*bound.args, **bound.kwargs)
 
 
@@ -109,17 +92,9 @@ def _odc_get_zero_config(original, param_dict):
 
 def register() -> None:
     """Install both patches (idempotent)."""
-    if _originals:
-        return
-    _originals["initialize"] = deepspeed.initialize
-    _originals["get_zero_config"] = ds_runtime_config.get_zero_config
-    deepspeed.initialize = functools.wraps(_originals["initialize"])(
-        functools.partial(_odc_initialize, _originals["initialize"]))
-    ds_runtime_config.get_zero_config = functools.partial(_odc_get_zero_config, _originals["get_zero_config"])
+    _patches.replace(deepspeed, "initialize", lambda original: delegating(_odc_initialize, original))
+    _patches.replace(ds_runtime_config, "get_zero_config", lambda original: delegating(_odc_get_zero_config, original))
 
 
 def unregister() -> None:
-    if not _originals:
-        return
-    deepspeed.initialize = _originals.pop("initialize")
-    ds_runtime_config.get_zero_config = _originals.pop("get_zero_config")
+    _patches.undo()

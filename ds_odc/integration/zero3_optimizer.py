@@ -4,32 +4,27 @@ Kept from ZeRO-3: partitioning, module hooks, the coordinator, IPG bucketing, fp
 the optimizer update, ``state_dict`` / ``load_state_dict`` (so checkpoints keep the ZeRO-3 layout).
 Replaced, each by one override below:
 
-* ``_create_fp16_partitions_with_defragmentation``: the flat compute-dtype shard buffer is moved
-  into this rank's parameter window, so the optimizer writes updated shards straight into the
-  memory peers read (publishing costs no copy); frozen shards follow it in the window;
+* ``_create_fp16_partitions_with_defragmentation``: opens the ODC session (``ds_odc.runtime.session``)
+  and moves the flat shard buffer into this rank's parameter window (:mod:`.zero3_windows`);
 * ``__reduce_and_partition_ipg_grads`` (the only path to the reduce-scatter): push each gradient
-  to its owners' fp32 accumulators; the accumulator *is* ``grad_partitions_flat_buffer``;
-* ``step``: the runtime's step protocol (fence, norm, update, publish) drives it; this adapter only
-  supplies the norm inputs (ZeRO-3's per-sub-group squared norms of the fenced, normalised shard)
-  and the update (ZeRO-3's own ``step``, which then reads the protocol's norms);
-* ``_get_norm_groups``: the norm round's result instead of an all-reduce per sub-group, so ZeRO-3's
-  step makes no collective and its overflow branch cannot change the number of rounds;
-* ``has_overflow`` (fp16's dynamic loss scaling asks it): the norm round's verdict (any rank's
-  gradient not finite) instead of an all-reduce of a local flag, so every rank skips the same steps
-  and updates its loss scale the same way;
-* ``_post_step``: the persistent-parameter refresh pulls after publishing instead of all-gathering;
-* ``reduce_ready_partitions_and_remove_grads`` (and a forward pre-hook on every module): a heartbeat
-  for peers waiting at the step, so that only a peer without progress times out.
+  to its owners' accumulators; the accumulator *is* ``grad_partitions_flat_buffer``;
+* ``reduce_ready_partitions_and_remove_grads``: a heartbeat per gradient, and no coalescing
+  (``engine.coalesce_grad_reduction()`` saves no collective on ODC);
+* the step (this file is the one place ZeRO-3's ``step`` is re-entered, and it holds every override
+  that step calls): ``step`` runs the runtime's protocol (fence, norm, update, publish), whose update
+  re-enters ZeRO-3's own ``step``; inside it ``_get_norm_groups`` and ``has_overflow`` answer from the
+  norm round, ``_post_step`` skips the persistent-parameter all-gather, and ``zero_grad`` is ZeRO-3's.
+  What they read is one :class:`StepContext`, set for the duration of one boundary ``engine.step()``.
 
-ZeRO-3's gradient reads before the step (``get_fp32_grad_partitions``, ``_get_fp32_grad_state_partition``
-under ``safe_get_full_grad`` / ``safe_get_local_grad`` / ``safe_set_*_grad``) first run a gradient
-fence (collective, as the reads they replace are in ZeRO-3); ``zero_grad`` called outside a step
-discards every rank's gradients (collective). Shards rebound by ``ds_tensor.data = t`` before the
-first rendezvous are copied back into the window by the open round (see :mod:`ds_odc.runtime.step`).
+ZeRO-3's gradient reads between backward and step (``get_fp32_grad_partitions``, ``safe_get_*_grad``,
+``safe_set_*_grad``, ``_get_norm_groups``) first run a gradient fence (collective, as the reads they
+replace are in ZeRO-3); ``zero_grad`` called outside a step discards every rank's gradients (collective).
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -37,176 +32,96 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
+from ds_odc.integration import zero3_windows as windows
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
-from ds_odc.integration.nodes import job_nodes, job_store
 from ds_odc.integration.timeouts import resolve_timeout_s
-from ds_odc.integration.zero3_params import install_pulls, skip_trace_checks, uninstall_pulls
-from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepUpdate, WindowLayout
-from ds_odc.runtime.exchange import CrossNodeExchange, FailureBoard
+from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
+from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepTotals, StepUpdate, open_session
 
-_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+@dataclass
+class StepContext:
+    """One boundary ``engine.step()`` as ZeRO-3's code inside it sees it. The engine opens it around its
+    model step (:meth:`ODCStage3Optimizer.step_context`), so that the ``zero_grad`` DeepSpeed calls after
+    the step is local; the protocol's update fills in the norm round's result before re-entering ZeRO-3's
+    step, and the fence's totals come back for ``global_samples``."""
+
+    norms: Optional[GlobalNorms] = None
+    totals: Optional[StepTotals] = None
 
 
 class _Zero3Update(StepUpdate):
     """ZeRO-3's half of an ODC step: its norm arithmetic and its optimizer update."""
 
-    def __init__(self, optimizer: "ODCStage3Optimizer"):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: "ODCStage3Optimizer", context: StepContext):
+        self.optimizer, self.context = optimizer, context
         self.gradient_accumulation_steps = optimizer.gradient_accumulation_steps
 
     def squared_norms(self) -> torch.Tensor:
-        """Point ``averaged_gradients`` at the fenced accumulator (a rank with no micro-batch never
-        ran ZeRO-3's epilogue) and sum squared norms per sub-group as ``get_grad_norm_direct`` does."""
-        optimizer = self.optimizer
-        views = getattr(optimizer, _GRAD_PARTITIONS)
-        squares = []
-        for sub_group_id, sub_group in enumerate(optimizer.fp16_groups):
-            grads = [views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group]
-            optimizer.averaged_gradients[sub_group_id] = grads
-            norms = [g.to(get_norm_dtype()).norm(2) for g in grads]
-            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros((), dtype=torch.float64))
-        return torch.stack(squares).to(torch.float64).cpu()
+        return self.optimizer._odc_squared_norms()
 
     def apply(self, norms: GlobalNorms) -> None:
-        self.optimizer._odc_norms = norms
-        self.optimizer._odc_stage_offload_grads()
-        try:
-            DeepSpeedZeroOptimizer_Stage3.step(self.optimizer)
-        finally:
-            self.optimizer._odc_norms = None
+        optimizer = self.optimizer
+        optimizer._odc_point_averaged_gradients_at_accumulator()  # a rank with no micro-batch never ran the epilogue
+        optimizer._odc_stage_offload_grads()
+        self.context.norms = norms
+        DeepSpeedZeroOptimizer_Stage3.step(optimizer)
 
 
 class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+    """See the module docstring. ``odc`` is the :class:`~ds_odc.runtime.ODCRuntime` (its transport,
+    layout and protocol); ``odc_step`` the :class:`StepContext` of the engine step in progress."""
 
     def __init__(self, *args, odc_options: ODCConfig, odc_ledger: MicroBatchLedger, **kwargs):
-        self.odc_options = odc_options
-        self._odc_ledger = odc_ledger
+        self._odc_options, self._odc_ledger = odc_options, odc_ledger
         self.odc: ODCRuntime | None = None
-        self._odc_norms: GlobalNorms | None = None
+        self.odc_step: StepContext | None = None
         self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward
-        self.odc_inside_engine_step = False  # set by the engine around its step (its zero_grad is local)
+        self._odc_hooks: list = []
         try:
             super().__init__(*args, **kwargs)
-            self._adopt_accumulator_as_grad_buffer()
+            windows.adopt_accumulator(self, self.odc)
         except BaseException:
             self._release_odc()  # the windows may exist: this optimizer will never be used
             raise
-        install_pulls(self.odc, self._odc_all_params())
+        install_pulls(self.odc, windows.partitioned_params(self))
         skip_trace_checks(self.parameter_offload.get_param_coordinator())
-        self._odc_heartbeat_hooks = [m.register_forward_pre_hook(self._odc_heartbeat) for m in self.module.modules()]
+        self._odc_hooks = [m.register_forward_pre_hook(self._odc_heartbeat) for m in self.module.modules()]
 
     def _odc_heartbeat(self, *unused) -> None:
         """Progress signal for peers waiting at the step: every module forward and every gradient
         (pulls and pushes beat too, but prefetch and bucketing make those bursty)."""
         self.odc.transport.heartbeat()
 
-    def reduce_ready_partitions_and_remove_grads(self, param):
-        self.odc_gradients_seen += 1
-        self.odc.transport.heartbeat()
-        return super().reduce_ready_partitions_and_remove_grads(param)
-
     # -- construction ------------------------------------------------------------------------------
-    def _odc_all_params(self):
-        module = getattr(self, "module", None)  # absent if ZeRO-3's __init__ failed early
-        return [] if module is None else [p for p in module.parameters() if hasattr(p, "ds_id")]
-
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
         if self.offload_param:
             raise ODCConfigError("zero_optimization.offload_param is not supported with the odc stage")
         if getattr(self, "swap_optimizer", False):
             raise ODCConfigError("zero_optimization.offload_optimizer to NVMe is not supported with the odc stage")
-        self._build_windows()
-
-    def _build_windows(self) -> None:
         import deepspeed.comm as dist
 
-        world = dist.get_world_size(group=self.dp_process_group)
-        if world != dist.get_world_size():
+        if dist.get_world_size(group=self.dp_process_group) != dist.get_world_size():
             raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
                                  "(no model, tensor, pipeline or sequence parallelism yet)")
-        timeout_s = resolve_timeout_s(self.odc_options.timeout_s)
-        nodes = job_nodes(timeout_s)
-        layout = WindowLayout(nodes.node_count)
-        for sub_group in self.fp16_groups:
-            for param in sub_group:
-                layout.add_trainable(param.ds_id, param.ds_numel, param.partition_numel())
-        frozen = sorted((p for p in self._odc_all_params() if not p.requires_grad), key=lambda p: p.ds_id)
-        for param in frozen:
-            layout.add_frozen(param.ds_id, param.ds_numel, param.ds_tensor.numel())
-        if layout.trainable_numel != self.lp_param_buffer.numel():
-            raise RuntimeError("ZeRO-3 flat shard buffer does not match the ODC window layout")
-        compute_dtype = self.lp_param_buffer.dtype
-        if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
-            raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
-
-        transport = create_transport(self.odc_options.transport, rank=nodes.local_rank, world_size=nodes.local_world,
-                                     timeout_s=timeout_s, device=str(self.lp_param_buffer.device),
-                                     shm_dir=self.odc_options.shm_dir,
-                                     stripe_numel=self.odc_options.accumulator_stripe_numel,
-                                     group=nodes.node_group, first_rank=nodes.first_rank)
-        accumulator_dtype = {"fp32": torch.float32, "fp64": torch.float64}[self.odc_options.accumulator_dtype]
-        transport.allocate(WindowSpec(layout.window_numel, compute_dtype, layout.accumulator_numel,
-                                      ODCRuntime.exchange_width(len(self.fp16_groups)), accumulator_dtype))
-        release_allreduce_buffer(dist.get_rank())  # allocate() ended with a barrier of the node's ranks
-        exchange = None
-        if nodes.node_count > 1:
-            exchange = CrossNodeExchange(nodes.cross_group, layout, FailureBoard(job_store(timeout_s), nodes.board_key),
-                                         timeout_s, dist.get_rank(), heartbeat=transport.heartbeat)
-        self.odc = ODCRuntime(transport, layout, self._odc_ledger, on_open=self._odc_publish_rebound_shards,
-                              nodes=exchange)
-        self.odc_nodes = nodes
-
-        window = transport.local_param_window()
-        trainable = window.narrow(0, *layout.trainable_block(nodes.node))
-        trainable.copy_(self.lp_param_buffer)
-        self.lp_param_buffer = trainable
-        self.fp16_partitioned_groups_flat = []
-        self._set_fp16_partitioned_groups_flat()
-        for sub_group_id in range(len(self.fp16_groups)):
-            self._unflatten_partitioned_parameters(sub_group_id)
-        for param in frozen:
-            view = self._odc_window_view(window, param.ds_id)
-            view.copy_(param.ds_tensor.data.reshape(-1))
-            param.ds_tensor.data = view
-
-    def _odc_publish_rebound_shards(self) -> None:
-        """Copy shards that ``ds_tensor.data = t`` moved out of the window back into it (the open
-        round runs this before its first rendezvous; in-place writes land in the window already)."""
-        window = self.odc.transport.local_param_window()
-        for param in self._odc_all_params():
-            if param.ds_id not in self.odc.layout.slots or param.ds_tensor is None:
-                continue
-            view = self._odc_window_view(window, param.ds_id)
-            shard = param.ds_tensor
-            if shard.data_ptr() == view.data_ptr() and shard.numel() == view.numel():
-                continue
-            if shard.numel() != view.numel():
-                raise ValueError(f"parameter {param.ds_id} ({tuple(param.ds_shape)}): its shard (ds_tensor) was replaced "
-                                 f"by one of {shard.numel()} elements, the partition has {view.numel()}")
-            view.copy_(shard.data.reshape(-1))
-            shard.data = view.view(shard.shape)
-
-    def _odc_window_view(self, window: torch.Tensor, key: int) -> torch.Tensor:
-        """This rank's own shard of parameter ``key`` in its window (its node's block)."""
-        slot = self.odc.layout.slots[key]
-        return window.narrow(0, self.odc.layout.param_offset(slot, self.odc_nodes.node), slot.shard_numel)
-
-    def _adopt_accumulator_as_grad_buffer(self) -> None:
-        """Let this rank's block of the fp32 accumulator window stand in for ZeRO-3's gradient
-        partition buffer."""
-        accumulator = self.odc.transport.local_grad_accumulator()
-        layout, node = self.odc.layout, self.odc_nodes.node
-        self.grad_partitions_flat_buffer = accumulator.narrow(0, *layout.trainable_block(node))
-        views = getattr(self, _GRAD_PARTITIONS)
-        for key, slot in layout.slots.items():
-            if slot.grad_offset is not None:
-                views[key] = accumulator.narrow(0, layout.grad_offset(slot, node), slot.shard_numel)
+        plan = windows.session_plan(self, self._odc_options, resolve_timeout_s(self._odc_options.timeout_s))
+        self.odc = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc))
+        release_allreduce_buffer(dist.get_rank())  # every rank passed the session's start-up collectives
+        windows.adopt_param_window(self, self.odc)
 
     # -- backward: push instead of reduce-scatter -------------------------------------------------
+    def reduce_ready_partitions_and_remove_grads(self, param):
+        """ZeRO-3's, without its coalescing: every backward's gradients are bucketed and pushed at once,
+        inside ``engine.coalesce_grad_reduction()`` too. There is no collective to save on ODC, and a
+        push adds into the fp32 accumulator, where ZeRO-3's coalescing would first sum the backward
+        calls in the compute dtype (bf16) on the parameter (1e-3 away after one Adam step)."""
+        self.odc_gradients_seen += 1
+        self.odc.transport.heartbeat()
+        return self.reduce_independent_p_g_buckets_and_remove_grads(param)
+
     @torch.no_grad()
     def _odc_push_bucket(self, communication_data_type: torch.dtype) -> None:
         bucket = self.ipg_buckets[communication_data_type]
@@ -223,7 +138,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = _odc_push_bucket
 
-    # -- gradients read or dropped before the step ----------------------------------------------------
+    # -- gradients read or dropped between backward and step -------------------------------------------
     def _odc_between_steps(self) -> bool:
         return self.odc is not None and self.odc.phase in (Phase.IDLE, Phase.ACCUMULATING)
 
@@ -234,13 +149,27 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             self._odc_point_averaged_gradients_at_accumulator()
             self._odc_stage_offload_grads()
 
+    def _odc_point_averaged_gradients_at_accumulator(self) -> None:
+        """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""
+        for sub_group_id, sub_group in enumerate(self.fp16_groups):
+            self.averaged_gradients[sub_group_id] = windows.accumulator_views(self, sub_group)
+
+    def _odc_squared_norms(self) -> torch.Tensor:
+        """Per sub-group, the squared L2 norm of this owner's gradient shards as ``get_grad_norm_direct``
+        sums them (float64, on the host)."""
+        squares = []
+        for sub_group in self.fp16_groups:
+            norms = [g.to(get_norm_dtype()).norm(2) for g in windows.accumulator_views(self, sub_group)]
+            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros((), dtype=torch.float64))
+        return torch.stack(squares).to(torch.float64).cpu()
+
     def _odc_stage_offload_grads(self) -> None:
         """Optimizer offload: ZeRO-3's step (and its gradient reads) use each sub-group's host fp32
         gradient buffer, which ZeRO-3 fills from its partitions at the boundary. On ODC the
         partitions are the accumulator, so copy it there (a device-to-host copy on GPU, once per step)."""
         if not self.offload_optimizer:
             return
-        views = getattr(self, _GRAD_PARTITIONS)
+        views = getattr(self, windows.GRAD_PARTITIONS)
         for sub_group_id, sub_group in enumerate(self.fp16_groups):
             host_grads = self.fp32_partitioned_groups_flat[sub_group_id].grad
             for param in sub_group:
@@ -256,7 +185,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         the step copies from, must hold it too."""
         if self.offload_optimizer and param.requires_grad:
             group, offset, numel = self.grad_position[self.get_param_id(param)]
-            getattr(self, _GRAD_PARTITIONS)[param.ds_id].copy_(
+            getattr(self, windows.GRAD_PARTITIONS)[param.ds_id].copy_(
                 self.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel))
 
     def set_fp32_grad_for_param(self, value, param):
@@ -274,13 +203,6 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         for param in param_list:
             self._odc_offload_grad_written(param)
 
-    def _odc_point_averaged_gradients_at_accumulator(self) -> None:
-        """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""
-        views = getattr(self, _GRAD_PARTITIONS)
-        for sub_group_id, sub_group in enumerate(self.fp16_groups):
-            self.averaged_gradients[sub_group_id] = [
-                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group]
-
     def get_fp32_grad_partitions(self):
         """ZeRO-3's, after a gradient fence (collective on ODC)."""
         self._odc_fence_for_read("optimizer.get_fp32_grad_partitions()")
@@ -290,36 +212,56 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._odc_fence_for_read("reading or writing a gradient partition (safe_get/set_*_grad)")
         return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
 
-    def zero_grad(self, set_to_none=True):
-        """Inside a step, ZeRO-3's (the accumulators are cleared by the step itself). Outside one,
-        called by every rank as ZeRO-3 expects, it drops every rank's gradients since the last step
-        (ZeRO-3's next backward overwrites its partitions): a collective discard."""
-        if self._odc_between_steps() and not self.odc_inside_engine_step:
-            self.odc.discard_gradients("optimizer.zero_grad() outside a step")
-        return super().zero_grad(set_to_none=set_to_none)
+    # -- the step: ZeRO-3's re-entered, and every override it calls -------------------------------------
+    @contextlib.contextmanager
+    def step_context(self):
+        """The :class:`StepContext` of the step in progress, opened here unless one is open already (the
+        engine opens it around its whole model step; a direct ``optimizer.step()`` gets its own)."""
+        if self.odc_step is not None:
+            yield self.odc_step
+            return
+        self.odc_step = StepContext()
+        try:
+            yield self.odc_step
+        finally:
+            self.odc_step = None
 
-    # -- the step ----------------------------------------------------------------------------------
     def step(self, closure=None):
-        """The boundary step: the runtime's step protocol, then the persistent-parameter refresh."""
-        self.odc.step(_Zero3Update(self))
-        self._pull_released_persistent_params()
+        """The boundary step: the runtime's step protocol (its update re-enters ZeRO-3's step), then the
+        persistent-parameter refresh."""
+        with self.step_context() as context:
+            context.totals = self.odc.step(_Zero3Update(self, context))
+            self._pull_released_persistent_params()
 
     def _get_norm_groups(self):
-        """The norm round's per-sub-group norms (no collective), with ZeRO-3's -1 for inf/nan."""
-        if self._odc_norms is None:
-            raise RuntimeError("ZeRO-3 asked for gradient norms outside an ODC step")
-        norms = self._odc_norms.group_norms()
+        """Inside a step, the norm round's per-sub-group norms (no collective); between backward and
+        step, the same norms of the gradients so far, behind a gradient fence and a norm round
+        (collective, as ZeRO-3's all-reduce is). ZeRO-3's -1 for inf/nan either way."""
+        norms = self.odc_step.norms if self.odc_step is not None else None
+        if norms is None:
+            what = "optimizer._get_norm_groups() between backward and step"
+            self._odc_fence_for_read(what)
+            norms = self.odc.gradient_norms(self._odc_squared_norms(), what)
         sentinel = torch.tensor(-1.0, dtype=torch.float)
         # the dtype ZeRO-3's own norms have: its offload path computes them in fp32
         dtype = torch.float32 if self.offload_optimizer else get_norm_dtype()
-        return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device, dtype) for n in norms]
+        return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device, dtype) for n in norms.group_norms()]
 
     def has_overflow(self, partition_gradients=True):
         """Inside an ODC step: whether any rank's gradient is not finite (the norm round's result,
         the same on every rank). ZeRO-3's check would all-reduce a flag read from this owner's shard."""
-        if self._odc_norms is None:
+        norms = self.odc_step.norms if self.odc_step is not None else None
+        if norms is None:
             return super().has_overflow(partition_gradients)
-        return not self._odc_norms.finite
+        return not norms.finite
+
+    def zero_grad(self, set_to_none=True):
+        """Inside an engine step, ZeRO-3's (the accumulators are cleared by the step itself). Outside one,
+        called by every rank as ZeRO-3 expects, it drops every rank's gradients since the last step
+        (ZeRO-3's next backward overwrites its partitions): a collective discard."""
+        if self.odc_step is None and self._odc_between_steps():
+            self.odc.discard_gradients("optimizer.zero_grad() outside a step")
+        return super().zero_grad(set_to_none=set_to_none)
 
     def _post_step(self, timer_names):
         persistent, self.persistent_parameters = self.persistent_parameters, []
@@ -343,10 +285,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def destroy(self):
         """Release windows and hooks; the model's parameters go back to ZeRO-3's collective gathers,
-        their shards copied out of the windows into private memory. DeepSpeed keeps a destroyed
-        engine's module reachable (its forward hooks hold the optimizer), so whatever still viewed a
-        window would keep its shared pages, counted against shm_dir, for the life of the process."""
-        for hook in getattr(self, "_odc_heartbeat_hooks", ()):
+        their shards copied out of the windows into private memory."""
+        for hook in self._odc_hooks:
             hook.remove()
         try:
             super().destroy()
@@ -354,16 +294,11 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             self._release_odc()
 
     def _release_odc(self) -> None:
-        """Parameters back to ZeRO-3's gathers and private shards; windows and transport released."""
-        uninstall_pulls(self._odc_all_params())
+        uninstall_pulls(windows.partitioned_params(self))
+        offload = getattr(self, "parameter_offload", None)
+        if offload is not None:
+            restore_trace_checks(offload.get_param_coordinator())
         if self.odc is None:
             return
-        for param in self._odc_all_params():
-            if param.ds_tensor is not None:
-                param.ds_tensor.data = param.ds_tensor.data.clone()
-        self.lp_param_buffer = None
-        self.fp16_partitioned_groups_flat = []
-        self.grad_partitions_flat_buffer = None
-        getattr(self, _GRAD_PARTITIONS, {}).clear()
-        self.averaged_gradients = {}
+        windows.release_windows(self)
         self.odc.close()

@@ -8,21 +8,33 @@ ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
   into the shards) waits for every owner before returning;
 * the coordinator's trace-consistency check (``assert_ints_same_as_other_ranks`` in
   ``reset_step``, broadcasts at the start of forwards) is skipped for ODC coordinators only: with
-  ODC each rank keeps its own trace, and ranks may legitimately run different modules.
+  ODC each rank keeps its own trace, and ranks may legitimately run different modules. The gate that
+  skips it replaces the module function while ODC coordinators exist, and the original comes back when
+  the last one is released.
+
+ZeRO-3's own closures are kept aside in a table of this module (keyed by parameter, weakly), not on the
+parameters.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
+import weakref
 
 import torch
 from deepspeed.runtime.zero import partitioned_param_coordinator as _ppc
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from ds_odc.comm.batch import COMPLETED, Completion
+from ds_odc.integration.patching import PatchSet
 
 _trace_check_skip = threading.local()
+#: id(parameter) -> (weak reference to it, ZeRO-3's own closures), kept once however many ODC engines wrap
+#: the same parameters (by id: a tensor's ``==`` is elementwise, so tensors cannot be dictionary keys)
+_zero3_closures: dict = {}
+_trace_gate = PatchSet("ZeRO-3's trace-consistency check, skipped for ODC coordinators")
+_gated_coordinators: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class PullHandle:
@@ -107,21 +119,29 @@ def install_pulls(runtime, params) -> None:
     aside (once, however many engines wrap the same parameters) for :func:`uninstall_pulls`."""
     pull_coalesced = functools.partial(_pull_coalesced, runtime)
     for param in params:
-        if not hasattr(param, "_odc_zero3_closures"):
-            param._odc_zero3_closures = {name: getattr(param, name) for name in _CLOSURES}
+        closures = _closures_of(param)
+        if closures is None:
+            key = id(param)
+            closures = {name: getattr(param, name) for name in _CLOSURES}
+            _zero3_closures[key] = (weakref.ref(param, lambda _, key=key: _zero3_closures.pop(key, None)), closures)
         param.all_gather_coalesced = pull_coalesced
         param.all_gather = _make_pull_all_gather(runtime, param)
-        param.partition = _make_publishing_partition(runtime, param._odc_zero3_closures["partition"])
+        param.partition = _make_publishing_partition(runtime, closures["partition"])
+
+
+def _closures_of(param):
+    entry = _zero3_closures.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
 
 
 def uninstall_pulls(params) -> None:
     """Give ``params`` back ZeRO-3's collective gathers (the engine is gone; the model stays usable)."""
     for param in params:
-        closures = getattr(param, "_odc_zero3_closures", None)
+        closures = _closures_of(param)
         if closures is not None:
+            del _zero3_closures[id(param)]
             for name, closure in closures.items():
                 setattr(param, name, closure)
-            del param._odc_zero3_closures
 
 
 @contextlib.contextmanager
@@ -134,19 +154,18 @@ def _skipping_trace_checks():
         _trace_check_skip.depth = depth
 
 
-_original_assert_ints_same = _ppc.assert_ints_same_as_other_ranks
-
-
-def _gated_assert_ints_same(ints):
+def _gated_assert_ints_same(original, ints):
     if getattr(_trace_check_skip, "depth", 0):
         return None
-    return _original_assert_ints_same(ints)
+    return original(ints)
 
 
 def skip_trace_checks(coordinator) -> None:
-    """Turn off the cross-rank trace check for this coordinator (and no other)."""
-    if _ppc.assert_ints_same_as_other_ranks is not _gated_assert_ints_same:
-        _ppc.assert_ints_same_as_other_ranks = _gated_assert_ints_same
+    """Turn off the cross-rank trace check for this coordinator (and no other) until
+    :func:`restore_trace_checks`."""
+    _trace_gate.replace(_ppc, "assert_ints_same_as_other_ranks",
+                        lambda original: functools.partial(_gated_assert_ints_same, original))
+    _gated_coordinators.add(coordinator)
     reset_step = coordinator.reset_step
 
     @functools.wraps(reset_step)
@@ -155,3 +174,12 @@ def skip_trace_checks(coordinator) -> None:
             return reset_step(*args, **kwargs)
 
     coordinator.reset_step = reset_step_without_trace_check
+
+
+def restore_trace_checks(coordinator) -> None:
+    """The ODC engine of ``coordinator`` is gone: its own ``reset_step`` back, and the module function
+    back once no ODC coordinator is left."""
+    coordinator.__dict__.pop("reset_step", None)
+    _gated_coordinators.discard(coordinator)
+    if not _gated_coordinators:
+        _trace_gate.undo()

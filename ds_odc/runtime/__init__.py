@@ -1,8 +1,12 @@
-"""The ODC runtime: layout, micro-batch ledger, pull/push and the step protocol. DeepSpeed-agnostic."""
+"""The ODC runtime: layout, micro-batch ledger, pull/push and the step protocol, and the one place a
+session is opened. DeepSpeed-agnostic; transports and links come from ``ds_odc.comm``."""
 from ds_odc.runtime.core import ODCRuntime
 from ds_odc.runtime.layout import ShardSlot, WindowLayout, owner_slices
 from ds_odc.runtime.ledger import MicroBatchLedger, Normalisation, StepTotals
+from ds_odc.runtime.session import SessionPlan, Shard, open_session
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
+from ds_odc.runtime.vocabulary import Activity, RoundKind
 
-__all__ = ["ODCRuntime", "Phase", "ShardSlot", "WindowLayout", "owner_slices",
-           "MicroBatchLedger", "Normalisation", "StepTotals", "GlobalNorms", "StepProtocol", "StepUpdate"]
+__all__ = ["ODCRuntime", "Phase", "ShardSlot", "WindowLayout", "owner_slices", "MicroBatchLedger", "Normalisation",
+           "StepTotals", "GlobalNorms", "StepProtocol", "StepUpdate", "SessionPlan", "Shard", "open_session",
+           "Activity", "RoundKind"]

@@ -13,28 +13,29 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ds_odc.comm.batch import Completion, Transfer
-from ds_odc.comm.rendezvous import RoundKind
+from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.transport import Transport
-from ds_odc.runtime.exchange import OneNode
 from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, MicroBatchLedger, Normalisation, StepTotals
-from ds_odc.runtime.step import Phase, StepProtocol, StepUpdate
+from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
+from ds_odc.runtime.vocabulary import RoundKind
 
 
 class ODCRuntime:
     """Pull / push / step for one data-parallel group."""
 
     def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
-                 on_open: Optional[Callable[[], None]] = None, nodes=None):
+                 on_open: Optional[Callable[[], None]] = None, link: Optional[CrossNodeLink] = None):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
-        self.nodes = nodes or OneNode()
-        if self.nodes.node_count != layout.node_count:
-            raise ValueError(f"a layout of {layout.node_count} node blocks with an exchange of "
-                             f"{self.nodes.node_count} nodes")
+        self.link = link or CrossNodeLink()
+        if self.link.node_count != layout.node_count:
+            raise ValueError(f"a layout of {layout.node_count} node blocks with a link to "
+                             f"{self.link.node_count} nodes")
+        self.node = self.link.node  # this rank's node: its own shards are that node's block
         self.world_size = transport.world_size * layout.node_count  # ZeRO-3's partitions: one per rank of the job
-        self.protocol = StepProtocol(transport, ledger, on_open, self.nodes)
+        self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks)
         self.pulls = 0  # parameters pulled, for tests and metrics
         self.pushes = 0  # gradients pushed
 
@@ -77,6 +78,27 @@ class ODCRuntime:
         self.pulls += len(keys)
         self.transport.heartbeat()
         return handle
+
+    # -- this rank's own shards (its node's block) ---------------------------------------------------
+    def own_shard(self, key: int) -> torch.Tensor:
+        """This rank's shard of parameter ``key`` in its window (what its optimizer updates)."""
+        slot = self.layout.slots[key]
+        return self.transport.local_param_window().narrow(0, self.layout.param_offset(slot, self.node),
+                                                          slot.shard_numel)
+
+    def own_gradient(self, key: int) -> torch.Tensor:
+        """This rank's gradient shard of trainable parameter ``key`` in its accumulator."""
+        slot = self.layout.slots[key]
+        return self.transport.local_grad_accumulator().narrow(0, self.layout.grad_offset(slot, self.node),
+                                                              slot.shard_numel)
+
+    def own_trainable_shards(self) -> torch.Tensor:
+        """This rank's trainable shards, contiguous in its window (ZeRO-3's flat shard buffer lives here)."""
+        return self.transport.local_param_window().narrow(0, *self.layout.trainable_block(self.node))
+
+    def own_gradients(self) -> torch.Tensor:
+        """This rank's gradient shards, contiguous in its accumulator (ZeRO-3's gradient partition)."""
+        return self.transport.local_grad_accumulator().narrow(0, *self.layout.trainable_block(self.node))
 
     def _param_pieces(self, key: int):
         """``(rank on this node, window offset, start, count)`` of every owner's shard of ``key``: the
@@ -126,6 +148,11 @@ class ODCRuntime:
         """A gradient fence outside a step (collective): every rank's pushes so far have landed."""
         self.protocol.sync_gradients(what)
 
+    def gradient_norms(self, squared: torch.Tensor, what: str) -> GlobalNorms:
+        """Every owner's per-group squared gradient norms (of its accumulator as it is now: call after
+        :meth:`sync_gradients`) summed over the job, outside a step (collective)."""
+        return self.protocol.norms_outside_step(squared, what)
+
     def discard_gradients(self, what: str) -> None:
         """Drop every rank's gradients since the last step (collective; ``optimizer.zero_grad()``)."""
         self.protocol.discard_gradients(what)
@@ -138,6 +165,18 @@ class ODCRuntime:
         """Poison the group: ``err`` at ``where`` left state that no retry can repair."""
         self.protocol.fail(err, where)
 
+    def exchange_values(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``values`` (1-D, at most the rounds' width), one row per rank of the job, outside
+        a step (collective). For the few numbers a framework needs from every rank between steps (the
+        Trainer's loss-token count, its logged metrics): a round, so a dead or stuck peer is named within
+        ``timeout_s`` instead of leaving the others in a collective until the process group's timeout."""
+        rows = self.protocol.meet(RoundKind.VALUES, what, values.to(torch.float64))
+        with self.protocol.failing_group(what):
+            return self.link.job_rows(rows)
+
     def close(self) -> None:
-        self.protocol.close()
-        self.transport.close()
+        try:
+            self.protocol.close()
+            self.transport.close()
+        finally:
+            self.link.close()

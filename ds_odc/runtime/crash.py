@@ -5,6 +5,10 @@ exception passes through ``sys.excepthook`` before the interpreter exits; the ho
 first records the exception in the control plane of every live ODC engine of the process (the
 group's failure record, :meth:`StepProtocol.fail`), so every peer raises with the origin's actual
 error (as torch elastic's ``@record`` reports a worker's error), then calls the previous hook.
+
+Scoped to the lifetime of ODC engines: the hook is installed when the first engine's protocol starts
+watching and the previous one restored when the last is closed (unless something replaced the hook
+after us: then ours stays, chained, rather than dropping theirs).
 """
 from __future__ import annotations
 
@@ -18,13 +22,26 @@ _previous_hook = None
 
 
 def watch(protocol) -> None:
-    """Report uncaught exceptions to ``protocol``'s peers while it lives."""
+    """Report uncaught exceptions to ``protocol``'s peers while it lives (until :func:`unwatch`)."""
     global _previous_hook
     with _lock:
         _live.add(protocol)
         if _previous_hook is None:
             _previous_hook = sys.excepthook
             sys.excepthook = _report_then_chain
+
+
+def unwatch(protocol) -> None:
+    """``protocol`` closed; the last one to go puts the previous hook back."""
+    global _previous_hook
+    with _lock:
+        _live.discard(protocol)
+        if not _live and _previous_hook is not None and sys.excepthook is _report_then_chain:
+            sys.excepthook, _previous_hook = _previous_hook, None
+
+
+def installed() -> bool:
+    return sys.excepthook is _report_then_chain
 
 
 def _report_then_chain(exc_type, exc, traceback) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
 
+from ds_odc.comm.cross_node import NodeBlocks
+
 
 @dataclass(frozen=True)
 class ShardSlot:
@@ -104,6 +106,11 @@ class WindowLayout:
     def accumulator_numel(self) -> int:
         return self.grad_numel * self.node_count
 
+    @property
+    def blocks(self) -> NodeBlocks:
+        """Where each node's block sits (what the cross-node link moves)."""
+        return NodeBlocks(self.node_count, self.trainable_numel, self.frozen_numel)
+
     def param_offset(self, slot: ShardSlot, node: int) -> int:
         """Offset of ``slot``'s shard of the rank with this local rank on ``node``, in the window.
 
@@ -113,18 +120,17 @@ class WindowLayout:
         ([0, 2], [4, 5])
         """
         if slot.grad_offset is not None:
-            return node * self.trainable_numel + slot.param_offset
-        frozen_start = self.node_count * self.trainable_numel + node * self.frozen_numel
-        return frozen_start + slot.param_offset - self.trainable_numel
+            return self.blocks.trainable(node)[0] + slot.param_offset
+        return self.blocks.frozen(node)[0] + slot.param_offset - self.trainable_numel
 
     def grad_offset(self, slot: ShardSlot, node: int) -> int:
         """Offset of ``slot``'s gradient shard of the rank with this local rank on ``node``, in the accumulator."""
-        return node * self.trainable_numel + slot.grad_offset
+        return self.blocks.trainable(node)[0] + slot.grad_offset
 
     def trainable_block(self, node: int) -> tuple[int, int]:
         """``(offset, numel)`` of ``node``'s trainable block in the window and in the accumulator."""
-        return node * self.trainable_numel, self.trainable_numel
+        return self.blocks.trainable(node)
 
     def frozen_block(self, node: int) -> tuple[int, int]:
         """``(offset, numel)`` of ``node``'s frozen block in the window."""
-        return self.node_count * self.trainable_numel + node * self.frozen_numel, self.frozen_numel
+        return self.blocks.frozen(node)

@@ -62,13 +62,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ds_odc.comm.control import Activity, FailureRecord
-from ds_odc.comm.rendezvous import RoundKind
+from ds_odc.comm.cross_node import CrossNodeLink, NodeBlocks
+from ds_odc.comm.failure import FailureRecord
 from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash
-from ds_odc.runtime.exchange import OneNode
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
+from ds_odc.runtime.vocabulary import Activity, RoundKind
 
 
 class Phase(enum.Enum):
@@ -180,11 +180,12 @@ class StepUpdate(abc.ABC):
 class StepProtocol:
     """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
 
-    def __init__(self, transport: Transport, ledger: MicroBatchLedger,
-                 on_open: Optional[Callable[[], None]] = None, nodes=None):
+    def __init__(self, transport: Transport, ledger: MicroBatchLedger, on_open: Optional[Callable[[], None]] = None,
+                 link: Optional[CrossNodeLink] = None, blocks: Optional[NodeBlocks] = None):
         self.transport = transport
         self.ledger = ledger
-        self.nodes = nodes or OneNode()  # the exchange with the other nodes (none on one node)
+        self.link = link or CrossNodeLink()  # the exchange with the other nodes (nothing on one node)
+        self.blocks = blocks or NodeBlocks(1, 0, 0)  # where each node's block sits in the windows
         self.on_open = on_open  # publishes this rank's shards written since the windows were made
         self.opened = False
         self._discarded: Optional[torch.Tensor] = None  # see discard_gradients
@@ -225,7 +226,7 @@ class StepProtocol:
         self._open()
         self.machine.advance(Event.BEGIN_STEP)
         with self.failing_group():
-            rows = self.nodes.job_rows(self.round(RoundKind.FENCE, self.ledger.fence_vector()))
+            rows = self.link.job_rows(self.round(RoundKind.FENCE, self.ledger.fence_vector()))
             totals = MicroBatchLedger.totals(rows)
             divisor = totals.gradient_divisor(len(rows), update.gradient_accumulation_steps)
             self.ledger.reset()
@@ -235,14 +236,14 @@ class StepProtocol:
             discarded, self._discarded = self._discarded, None
             if discarded is not None and totals.total_micro_batches == 0:
                 accumulator.copy_(discarded)  # ZeRO-3 steps on the partitions zero_grad left in place
-            self.nodes.reduce_gradients(accumulator)
+            self.link.reduce_gradients(accumulator, self.blocks)
             if divisor != 1.0:
                 accumulator.div_(divisor)
             rows = self.round(RoundKind.NORM, update.squared_norms().to(torch.float64))
             self.machine.advance(Event.NORMED)
             self._note(Activity.UPDATING, force=True)
-            update.apply(GlobalNorms(self.nodes.job_sum(rows.sum(0))))
-            self.nodes.gather_windows(self.transport.local_param_window())
+            update.apply(GlobalNorms(self.link.job_sum(rows.sum(0))))
+            self.link.gather_windows(self.transport.local_param_window(), self.blocks)
             self.machine.advance(Event.UPDATED)
             accumulator.zero_()
             self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
@@ -251,27 +252,35 @@ class StepProtocol:
         self._note(Activity.IDLE, force=True)
         return totals
 
-    def meet(self, kind: RoundKind, what: str = "") -> None:
+    def meet(self, kind: RoundKind, what: str = "", values: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A round outside a step (every rank calls it at the same point): windows rewritten by
-        their owners (a checkpoint load, GatheredParameters), or a barrier (checkpoint save)."""
+        their owners (a checkpoint load, GatheredParameters), a barrier (checkpoint save), or values
+        every rank contributes (``values``); returns the node's rows."""
         self._usable()
         self._open()
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
             if kind is RoundKind.WINDOWS_REWRITTEN:
-                self.nodes.gather_windows(self.transport.local_param_window(), frozen=True)
-            self.round(kind, torch.zeros(0, dtype=torch.float64), what)
+                self.link.gather_windows(self.transport.local_param_window(), self.blocks, frozen=True)
+            rows = self.round(kind, torch.zeros(0, dtype=torch.float64) if values is None else values, what)
             if kind is RoundKind.BARRIER:
-                self.nodes.barrier(what)  # the node's round, then every node's: a barrier of the job
+                self.link.barrier(what)  # the node's round, then every node's: a barrier of the job
         self._note(previous, force=True)
+        return rows
+
+    def norms_outside_step(self, squared: torch.Tensor, what: str) -> GlobalNorms:
+        """The norm round outside a step: every owner's squared norms summed over the job (collective)."""
+        rows = self.meet(RoundKind.GRADIENT_NORM, what, squared.to(torch.float64))
+        with self.failing_group(what):
+            return GlobalNorms(self.link.job_sum(rows.sum(0)))
 
     def sync_gradients(self, what: str) -> None:
         """A gradient fence without a step: afterwards this owner's accumulator holds every rank's
         pushes so far (see the module docstring), on several nodes summed over them. Collective."""
         self.meet(RoundKind.GRADIENT_FENCE, what)
         with self.failing_group(what):
-            self.nodes.reduce_gradients(self.transport.local_grad_accumulator())
+            self.link.reduce_gradients(self.transport.local_grad_accumulator(), self.blocks)
 
     def discard_gradients(self, what: str) -> None:
         """Drop every rank's gradients since the last step (collective): fence, zero this owner's
@@ -303,7 +312,7 @@ class StepProtocol:
         with self.failing_group(RoundKind.OPEN.text):
             if self.on_open is not None:
                 self.on_open()
-            self.nodes.gather_windows(self.transport.local_param_window(), frozen=True)
+            self.link.gather_windows(self.transport.local_param_window(), self.blocks, frozen=True)
             self.round(RoundKind.OPEN, torch.zeros(0, dtype=torch.float64))
 
     @contextlib.contextmanager
@@ -320,7 +329,7 @@ class StepProtocol:
     def round(self, kind: RoundKind, values: torch.Tensor, what: str = "") -> torch.Tensor:
         """One rendezvous round of the current step (every round of this engine goes through here)."""
         self._note(Activity.IN_ROUND, force=True)
-        return self.transport.exchange(kind, self.step_number, values, what)
+        return self.transport.exchange(kind, self.step_number, values, what or kind.text)
 
     # -- failure ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -340,7 +349,7 @@ class StepProtocol:
             FailureRecord(self.transport.job_rank, self.step_number, where, f"{type(err).__name__}: {err}")
         self.failure = record
         self.transport.mark_failed(record)
-        self.nodes.announce(record)
+        self.link.announce(record)
         self.machine.advance(Event.FAIL)
         if hasattr(err, "add_note"):
             err.add_note(f"ds_odc: rank {self.transport.job_rank} marked the ODC group failed (its peers raise at "
@@ -362,4 +371,7 @@ class StepProtocol:
 
     def close(self) -> None:
         if self.phase is not Phase.CLOSED:
+            if self.transport.plane is not None and self.phase is not Phase.FAILED:
+                self._note(Activity.CLOSED, force=True)
             self.machine.advance(Event.CLOSE)
+            crash.unwatch(self)

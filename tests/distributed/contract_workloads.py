@@ -132,3 +132,49 @@ def overflow_on_one_rank(stage):
         seen.append({"overflow": bool(engine.optimizer.overflow), "moved": moved, "collectives": collectives})
     engine.destroy()
     return seen
+
+
+def coalesced_reduction(stage, coalesce: bool, steps: int = 2):
+    """DeepSpeed's ``engine.coalesce_grad_reduction()`` around each step's four backward calls (bf16,
+    Adam, gradient buckets much smaller than the model, so the flush at the block's exit spans several
+    buckets), or the same calls without it. fp64 accumulators on ODC: sums independent of arrival
+    order, so a run must equal the other bit for bit. Returns the final fp32 parameters."""
+    import contextlib
+
+    odc = {"accumulator_dtype": "fp64"} if stage == "odc" else {}
+    config = ds_config(stage, gas=1, bf16=True, clip=0.0, lr=1e-3, contiguous_gradients=True, overlap_comm=True,
+                       reduce_bucket_size=64, odc=odc)
+    engine, *_ = deepspeed.initialize(model=make_model(hidden=16, layers=3), config=config)
+    for step in range(steps):
+        with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+            for index in range(4):
+                x, y, _ = micro_batch(step, tdist.get_rank(), index)
+                loss = mse_mean(engine(x.bfloat16()), y)
+                engine.set_gradient_accumulation_boundary(index == 3)
+                engine.backward(loss)
+        engine.step()
+    params = full_params(engine)
+    engine.destroy()
+    return params
+
+
+def norm_groups_before_step(stage):
+    """``optimizer._get_norm_groups()`` between backward and step (DeepSpeed's own gradient-clipping
+    test calls it twice around ``safe_set_local_grad``), then the step. Returns the norms each call saw
+    and the parameters after the step."""
+    from deepspeed.utils import safe_set_local_grad
+
+    engine = _engine(stage, clip=0.0)
+    for index in range(MICRO_BATCHES):
+        _backward(engine, 0, index)
+    optimizer = engine.optimizer
+    seen = {"before": [float(n) for n in optimizer._get_norm_groups()]}
+    for param in engine.module.parameters():
+        if param.requires_grad:
+            safe_set_local_grad(param, torch.clamp(safe_get_local_grad(param), -0.01, 0.01))
+    seen["clamped"] = [float(n) for n in optimizer._get_norm_groups()]
+    engine.step()
+    seen["step_norm"] = float(engine.get_global_grad_norm())
+    seen["params"] = full_params(engine)
+    engine.destroy()
+    return seen

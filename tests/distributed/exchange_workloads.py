@@ -1,6 +1,6 @@
 """What the ranks run in the cross-node exchange tests: 4 ranks of one host as 2 nodes of 2 (gloo).
 
-The exchange sees nodes only through its cross-node group and the window layout, so one host can
+The link sees nodes only through its cross-node group and the window layout's node blocks, so one host can
 stand in for two here; test_two_hosts.py runs it between real hosts inside the engine."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ds_odc.comm.control import FailureRecord
-from ds_odc.integration.nodes import job_store
-from ds_odc.runtime.exchange import CrossNodeExchange, FailureBoard
+from ds_odc.comm.cross_node import FailureBoard, TorchDistributedLink
+from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.nodes import job_store
+from ds_odc.comm.topology import Topology
 from ds_odc.runtime.layout import WindowLayout
-from ds_odc.runtime.topology import Topology
 
 NODES, LOCAL = 2, 2
 TRAINABLE, FROZEN = (5, 3), (2,)  # shard sizes of the layout's parameters
@@ -33,8 +33,8 @@ def _exchange(timeout_s: float = 30.0, key: str = "exchange-test"):
     for key_, shard in enumerate(FROZEN, start=len(TRAINABLE)):
         layout.add_frozen(key_, shard * NODES * LOCAL, shard)
     beats = []
-    exchange = CrossNodeExchange(cross, layout, FailureBoard(job_store(timeout_s), f"ds_odc/{key}/failure"),
-                                 timeout_s, rank, heartbeat=lambda: beats.append(1))
+    exchange = TorchDistributedLink(cross, FailureBoard(job_store(timeout_s), f"ds_odc/{key}/failure"),
+                                    timeout_s, rank, heartbeat=lambda: beats.append(1))
     return topology, layout, exchange, beats
 
 
@@ -49,15 +49,15 @@ def one_step() -> dict:
     rank = tdist.get_rank()
     node = topology.node_of(rank)
     accumulator = _values(rank, layout.accumulator_numel, 0)
-    exchange.reduce_gradients(accumulator)
+    exchange.reduce_gradients(accumulator, layout.blocks)
     after_first = accumulator.clone()
     accumulator += _values(rank, layout.accumulator_numel, 1)  # pushes after a gradient read
     before = exchange.collectives
-    exchange.reduce_gradients(accumulator)
+    exchange.reduce_gradients(accumulator, layout.blocks)
     window = torch.full((layout.window_numel,), -1.0, dtype=torch.bfloat16)
     window.narrow(0, *layout.trainable_block(node)).fill_(rank + 0.5)
     window.narrow(0, *layout.frozen_block(node)).fill_(-(rank + 0.5))
-    exchange.gather_windows(window, frozen=True)
+    exchange.gather_windows(window, layout.blocks, frozen=True)
     rows = exchange.job_rows(torch.tensor([[float(rank), 1.0]] * LOCAL, dtype=torch.float64))
     norm = exchange.job_sum(torch.tensor([float(node + 1)], dtype=torch.float64))
     return {"node": node, "local": topology.local_rank(rank), "after_first": after_first, "accumulator": accumulator,
@@ -78,7 +78,7 @@ def failure_reaches_the_other_node(how: str, timeout_s: float) -> dict:
         return {"rank": rank}
     start = time.monotonic()
     try:
-        exchange.reduce_gradients(torch.zeros(layout.accumulator_numel, dtype=torch.float64))
+        exchange.reduce_gradients(torch.zeros(layout.accumulator_numel, dtype=torch.float64), layout.blocks)
         result = {"rank": rank, "error": None}
     except Exception as err:  # noqa: BLE001 - the error is the result
         result = {"rank": rank, "error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start,

@@ -17,8 +17,8 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
-import ds_odc.comm.session as session_module
-from ds_odc.comm.rendezvous import RoundKind
+import ds_odc.comm.allocation as session_module
+from ds_odc.runtime.vocabulary import RoundKind
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 PHASES = ("allocate", "forward", "pull", "push", "fence", "norm", "publish", "save")

@@ -78,3 +78,25 @@ def test_a_non_finite_gradient_on_one_rank_makes_every_rank_skip_that_step_witho
         assert [s["overflow"] for s in odc[rank]] == [True, False], odc
         assert [s["moved"] for s in odc[rank]] == [False, True], odc
         assert [s["collectives"] for s in odc[rank]] == [0, 0], odc  # the norm round decided
+
+
+def test_coalesce_grad_reduction_changes_nothing_on_odc():
+    """Under ``engine.coalesce_grad_reduction()`` ZeRO-3 leaves each backward's gradients on the
+    parameters and reduces their compute-dtype (bf16) sum once at the block's exit. ODC has no collective
+    to save there: it pushes every backward into the fp32 accumulators as always, so the run equals the
+    one without the block exactly (it once pushed the bf16 sum at the exit: 1e-3 away after one Adam step)."""
+    plain = run_ranks(contracts.coalesced_reduction, 2, "odc", False)
+    coalesced = run_ranks(contracts.coalesced_reduction, 2, "odc", True)
+    moved = run_ranks(contracts.coalesced_reduction, 2, "odc", False, 0)
+    for rank in range(2):
+        assert any(not torch.equal(plain[rank][n], moved[rank][n]) for n in plain[rank])  # the steps trained
+        assert_close_nested(coalesced[rank], plain[rank], rtol=0, atol=0)
+
+
+def test_gradient_norms_read_between_backward_and_step_equal_zero3():
+    """``optimizer._get_norm_groups()`` outside a step is answered behind a gradient fence (collective,
+    as ZeRO-3's all-reduce is), before and after gradients are rewritten with ``safe_set_local_grad``."""
+    zero3, odc = _both(contracts.norm_groups_before_step)
+    for rank in range(2):
+        assert odc[rank]["clamped"][0] < odc[rank]["before"][0]
+        assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)

@@ -11,10 +11,10 @@ from typing import Callable, List
 
 import torch
 
-from ds_odc.comm.control import ControlBlock, ControlPlane, State, block_words
+from ds_odc.comm.control import ControlBlock, State, block_words
 from ds_odc.comm.ordering import memory_ordering
-from ds_odc.comm.rendezvous import Rendezvous
 from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.runtime.vocabulary import PROTOCOL_WORDING
 
 
 class LoopbackGroup:
@@ -64,12 +64,11 @@ class LoopbackTransport(Transport):
     name = "loopback"
 
     def __init__(self, group: LoopbackGroup, rank: int):
-        super().__init__(rank, group.world, group.timeout_s)
+        super().__init__(rank, group.world, group.timeout_s, wording=PROTOCOL_WORDING)
         self.group = group
 
     def allocate(self, spec: WindowSpec) -> None:
-        self.plane = ControlPlane(self.rank, self.group.blocks, lambda r: self.group.alive[r])
-        self.rendezvous = Rendezvous(self.plane, spec.exchange_width, self.timeout_s)
+        self._start_plane(self.group.blocks, lambda r: self.group.alive[r], None, spec.exchange_width)
 
     def local_param_window(self) -> torch.Tensor:
         return self.group.params[self.rank]

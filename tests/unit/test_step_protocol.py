@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from ds_odc.comm.control import Activity
-from ds_odc.comm.rendezvous import RoundKind
+from ds_odc.runtime.vocabulary import Activity
+from ds_odc.runtime.vocabulary import RoundKind
 from ds_odc.errors import ODCGroupFailedError, ODCPeerError, ODCStateError, ODCTimeoutError
 from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, StepUpdate, WindowLayout
 from ds_odc.runtime.step import TRANSITIONS, Event, Phase, StepProtocol, StepStateMachine
@@ -258,15 +258,19 @@ def test_activity_follows_the_protocol():
     transport = group.transport(0)
     runtime = runtime_for(transport)
     block = group.blocks[0]
+
+    def seen_by_peers() -> str:
+        return transport.plane.activity_text(0)
+
     runtime.pull(0, torch.empty(16))
-    assert block.activity_text() == "running forward/backward of step 1 (0 micro-batches done)"
+    assert seen_by_peers() == "running forward/backward of step 1 (0 micro-batches done)"
     runtime.push(0, torch.ones(16))
     runtime.record_micro_batch(Normalisation.MEAN)
-    assert block.activity_text() == "running forward/backward of step 1 (1 micro-batches done)"
+    assert seen_by_peers() == "running forward/backward of step 1 (1 micro-batches done)"
     runtime.step(Update(transport))
-    assert block.activity_text() == "idle before step 2 (no micro-batch of it yet)"
+    assert seen_by_peers() == "idle before step 2 (no micro-batch of it yet)"
     with runtime.protocol.saving():
-        assert block.activity_text() == "saving a checkpoint (before step 2)"
+        assert seen_by_peers() == "saving a checkpoint (before step 2)"
     assert int(block.words[3]) == Activity.IDLE
 
 

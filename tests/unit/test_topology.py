@@ -2,7 +2,7 @@
 import pytest
 
 from ds_odc.errors import ODCConfigError
-from ds_odc.runtime.topology import Topology, launcher_topology
+from ds_odc.comm.topology import Topology, launcher_topology
 
 
 def test_ranks_group_by_host_with_local_ranks_and_cross_groups():

@@ -1,10 +1,10 @@
-"""The job's nodes as the engine uses them: which transport group this rank joins, and its exchange
-with the other nodes (``docs/multinode.md``).
+"""The job's nodes: which transport group this rank joins, and its link with the other nodes
+(``docs/multinode.md``).
 
 On one host nothing changes: the transport spans the world, and there is nothing to exchange. On
 several, the ranks of each host form a node: the transport spans the node (``node_group``), and the
 ranks with the same local rank on every node (``cross_group``) meet once per step through
-:class:`~ds_odc.runtime.exchange.CrossNodeExchange`. Every rank creates every group, in the same
+:class:`~ds_odc.comm.cross_node.TorchDistributedLink`. Every rank creates every group, in the same
 order, as ``torch.distributed.new_group`` requires.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import torch.distributed as tdist
 
-from ds_odc.errors import ODCConfigError
-from ds_odc.runtime.topology import Topology
+from ds_odc.comm.cross_node import CrossNodeLink, FailureBoard, TorchDistributedLink
+from ds_odc.comm.topology import Topology
+from ds_odc.errors import ODCConfigError, ODCPeerError
 
 #: Cross-node collectives wait ``timeout_s`` by ODC's own clock; gloo's must not fire first.
 _GROUP_TIMEOUT_MARGIN_S = 60.0
@@ -44,6 +45,34 @@ class JobNodes:
     @property
     def first_rank(self) -> int:
         return self.node * self.local_world
+
+    def link(self, timeout_s: float, heartbeat) -> CrossNodeLink:
+        """This rank's link with the other nodes: nothing to exchange on one node; on several, the
+        cross-node group's collectives, watched by the job's failure board (its own store connection)."""
+        if self.node_count == 1:
+            return CrossNodeLink()
+        board = FailureBoard(job_store(timeout_s), self.board_key)
+        return TorchDistributedLink(self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
+
+    def agree(self, error: Optional[BaseException], doing: str) -> None:
+        """Every node's outcome of a step each node agreed on by itself (its windows' allocation): a
+        failure on one node raises on every rank of every node, naming that node's error, instead of
+        leaving the other nodes to lose the connection later. Collective over the world (several nodes
+        only: on one node the node's own agreement was the job's). Raises ``error`` itself on its node."""
+        if self.node_count == 1:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (f"{type(error).__name__}: {error}", isinstance(error, ODCConfigError))
+        outcomes: list = [None] * self.topology.world_size
+        tdist.all_gather_object(outcomes, (socket.gethostname(), mine))
+        if error is not None:
+            raise error
+        failed = [(rank, host, outcome) for rank, (host, outcome) in enumerate(outcomes) if outcome is not None]
+        if failed:
+            rank, host, (text, config_error) = failed[0]
+            error_class = ODCConfigError if config_error else ODCPeerError
+            raise error_class(f"rank {rank} on {host} failed while {doing}: {text}") from None
 
 
 def job_nodes(timeout_s: float) -> JobNodes:

@@ -1,41 +1,43 @@
-"""Between nodes, one exchange per step (``docs/multinode.md``).
+"""Between nodes, one exchange per step (``docs/multinode.md``): the cross-node link.
 
 Inside a node, the ranks' windows and accumulators hold every shard of the job between them, one
-block per node (:mod:`ds_odc.runtime.layout`): local rank ``l`` holds the blocks of the ranks with
-local rank ``l`` on every node, its ``cross_group``. Pulls and pushes stay inside the node. At the
-step, after the node's fence, each cross group (one rank per node, in node order) runs:
+block per node (:class:`NodeBlocks`; the layout math is in :mod:`ds_odc.runtime.layout`): local rank
+``l`` holds the blocks of the ranks with local rank ``l`` on every node, its ``cross_group``. Pulls
+and pushes stay inside the node. At the step, after the node's fence, each cross group (one rank per
+node, in node order) runs:
 
-1. :meth:`CrossNodeExchange.job_rows`: the node's fence rows (micro-batch and token counts of each
+1. :meth:`TorchDistributedLink.job_rows`: the node's fence rows (micro-batch and token counts of each
    rank), gathered into the job's rows, so that normalisation sees every node's micro-batches;
-2. :meth:`CrossNodeExchange.reduce_gradients`: a reduce-scatter of the accumulator's blocks, after
+2. :meth:`TorchDistributedLink.reduce_gradients`: a reduce-scatter of the accumulator's blocks, after
    which this rank's own block holds the job's sum of its ZeRO-3 partition (its ``1/world``: where
    its fp32 master weights and optimizer state live, as in ZeRO-3), and the other blocks are zero;
-3. :meth:`CrossNodeExchange.job_sum`: the node's squared-norm partials summed over the nodes;
+3. :meth:`TorchDistributedLink.job_sum`: the node's squared-norm partials summed over the nodes;
 4. (the caller updates its own block);
-5. :meth:`CrossNodeExchange.gather_windows`: an all-gather of every rank's updated block, bytes as
+5. :meth:`TorchDistributedLink.gather_windows`: an all-gather of every rank's updated block, bytes as
    they are, into the window.
 
 Four collectives per step, on ``torch.distributed`` (gloo on CPU, NCCL on GPU), whatever the number of
 layers, parameters and micro-batches. Outside a step: the windows are gathered after their owners
 rewrote them (the open round, a checkpoint load), a gradient read first sums the accumulators, and
-a barrier (checkpoint save) is the node's round, then :meth:`CrossNodeExchange.barrier`. Every wait
+a barrier (checkpoint save) is the node's round, then :meth:`TorchDistributedLink.barrier`. Every wait
 in them is bounded and watches the job's :class:`FailureBoard`, so a rank that fails (or sees a
 node peer die) on one node makes the ranks of every other node raise naming it, instead of waiting
 out a collective that will never complete.
-:class:`OneNode` is the same interface with nothing to exchange.
+:class:`CrossNodeLink` is the interface, and the link of a job on one node: nothing to exchange.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as tdist
 
-from ds_odc.comm.control import FailureKind, FailureRecord
+from ds_odc.comm.backoff import wait_until
+from ds_odc.comm.failure import FailureKind, FailureRecord
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
-from ds_odc.runtime.layout import WindowLayout
 
 
 #: How long a broken collective waits for the board to say why (a node names a dead rank within
@@ -45,8 +47,33 @@ CAUSE_GRACE_S = 10.0
 BOARD_PERIOD_S = 0.05
 
 
-class OneNode:
-    """Every rank on one node: the node's rounds already see the whole job."""
+@dataclass(frozen=True)
+class NodeBlocks:
+    """Where each node's block sits in a rank's window and accumulator: ``node_count`` trainable blocks
+    of ``trainable_numel`` elements first (contiguous: one tensor for the step's collectives), then
+    ``node_count`` frozen blocks of ``frozen_numel`` (windows only).
+
+    >>> blocks = NodeBlocks(node_count=2, trainable_numel=3, frozen_numel=2)
+    >>> blocks.trainable(1), blocks.frozen(0), blocks.frozen(1)
+    ((3, 3), (6, 2), (8, 2))
+    """
+
+    node_count: int
+    trainable_numel: int
+    frozen_numel: int
+
+    def trainable(self, node: int) -> tuple[int, int]:
+        """``(offset, numel)`` of ``node``'s trainable block, in the window and in the accumulator."""
+        return node * self.trainable_numel, self.trainable_numel
+
+    def frozen(self, node: int) -> tuple[int, int]:
+        """``(offset, numel)`` of ``node``'s frozen block in the window."""
+        return self.node_count * self.trainable_numel + node * self.frozen_numel, self.frozen_numel
+
+
+class CrossNodeLink:
+    """What the step exchanges with the other nodes. This base is the link of a job on one node: the
+    node's rounds already see the whole job, so every method passes its input through."""
 
     node_count = 1
     node = 0
@@ -58,16 +85,19 @@ class OneNode:
     def job_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
-    def reduce_gradients(self, accumulator: torch.Tensor) -> None:
+    def reduce_gradients(self, accumulator: torch.Tensor, blocks: NodeBlocks) -> None:
         pass
 
-    def gather_windows(self, window: torch.Tensor, frozen: bool = False) -> None:
+    def gather_windows(self, window: torch.Tensor, blocks: NodeBlocks, frozen: bool = False) -> None:
         pass
 
     def barrier(self, what: str) -> None:
         pass
 
     def announce(self, record: FailureRecord) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -83,10 +113,9 @@ class FailureBoard:
         self.store, self.key = store, key
 
     def post(self, record: FailureRecord) -> None:
-        text = f"{record.origin}\n{record.step}\n{int(record.kind)}\n{record.where}\n{record.error}"
         try:
             if not self.store.check([self.key]):
-                self.store.set(self.key, text)
+                self.store.set(self.key, record.encode())
         except Exception:  # noqa: BLE001 - the store's host is gone: the others find out by themselves
             pass
 
@@ -96,25 +125,30 @@ class FailureBoard:
         try:
             if not self.store.check([self.key]):
                 return None
-            raw = self.store.get(self.key).decode("utf-8", "replace")
+            raw = self.store.get(self.key)
         except Exception as err:  # noqa: BLE001
             raise ODCPeerError(f"the job's store (on node 0) cannot be reached: node 0 or its rank 0 is gone ({err})",
                                None) from err
-        origin, step, kind, where, error = raw.split("\n", 4)
-        return FailureRecord(int(origin), int(step), where, error, FailureKind(int(kind)))
+        return FailureRecord.decode(raw)
+
+    def close(self) -> None:
+        """Drop this rank's connection to the store (``engine.destroy()``)."""
+        store, self.store = self.store, None
+        del store  # a TCPStore client closes its socket when released
 
 
-class CrossNodeExchange:
-    """The step's collectives between nodes, for one rank (see the module docstring).
+class TorchDistributedLink(CrossNodeLink):
+    """The step's collectives between nodes, for one rank, on ``torch.distributed`` (see the module
+    docstring).
 
     ``cross_group``: this rank's cross-node group, one rank per node in node order (this rank is the
-    ``node``-th); ``layout``: the window layout (its ``node_count`` blocks); ``board``: where failures
-    are posted; ``timeout_s``: how long a collective may wait for the other nodes; ``rank``: this
-    rank in the job; ``heartbeat``: called while waiting (the node's rounds watch progress)."""
+    ``node``-th); ``board``: where failures are posted; ``timeout_s``: how long a collective may wait
+    for the other nodes; ``rank``: this rank in the job; ``heartbeat``: called while waiting (the
+    node's rounds watch progress)."""
 
-    def __init__(self, cross_group, layout: WindowLayout, board: FailureBoard, timeout_s: float, rank: int,
+    def __init__(self, cross_group, board: FailureBoard, timeout_s: float, rank: int,
                  heartbeat: Callable[[], None] = lambda: None):
-        self.cross_group, self.layout, self.board = cross_group, layout, board
+        self.cross_group, self.board = cross_group, board
         self.heartbeat = heartbeat  # node peers waiting for this rank at a round must see it alive
         self.node_count = tdist.get_world_size(cross_group)
         self.node = tdist.get_rank(cross_group)
@@ -124,8 +158,6 @@ class CrossNodeExchange:
         self.small_device = (torch.device("cpu") if self.blocking_waits
                              else torch.device("cuda", torch.cuda.current_device()))
         self.collectives = 0  # issued so far: a test counts them per step
-        if self.node_count != layout.node_count:
-            raise ValueError(f"cross-node group of {self.node_count} ranks for a layout of {layout.node_count} nodes")
 
     def job_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every node's ``rows`` (one per local rank), stacked in node order: one row per job rank."""
@@ -143,21 +175,23 @@ class CrossNodeExchange:
                   "summing the gradient norm over nodes")
         return total.cpu()
 
-    def reduce_gradients(self, accumulator: torch.Tensor) -> None:
+    def reduce_gradients(self, accumulator: torch.Tensor, blocks: NodeBlocks) -> None:
         """Sum every node's accumulator blocks: this rank's own block becomes the job's sum for its
         partition, the others zero (so calling it again, after more pushes, stays exact)."""
-        offset, numel = self.layout.trainable_block(0)
-        blocks = accumulator.narrow(0, offset, numel * self.node_count)
+        offset, numel = blocks.trainable(0)
+        every_block = accumulator.narrow(0, offset, numel * self.node_count)
         mine = torch.empty(numel, dtype=accumulator.dtype, device=accumulator.device)
-        self._run(tdist.reduce_scatter_tensor(mine, blocks, group=self.cross_group, async_op=True),
+        self._run(tdist.reduce_scatter_tensor(mine, every_block, group=self.cross_group, async_op=True),
                   "summing gradients over nodes")
         accumulator.zero_()
-        accumulator.narrow(0, *self.layout.trainable_block(self.node)).copy_(mine)
+        accumulator.narrow(0, *blocks.trainable(self.node)).copy_(mine)
 
-    def gather_windows(self, window: torch.Tensor, frozen: bool = False) -> None:
+    def gather_windows(self, window: torch.Tensor, blocks: NodeBlocks, frozen: bool = False) -> None:
         """Copy every node's own trainable block (and with ``frozen``, frozen block) into this rank's
         window, bytes as they are (no collective arithmetic on the compute dtype)."""
-        regions = [self.layout.trainable_block] + ([self.layout.frozen_block] if frozen else [])
+        if blocks.node_count != self.node_count:
+            raise ValueError(f"cross-node group of {self.node_count} ranks for {blocks.node_count} node blocks")
+        regions = [blocks.trainable] + ([blocks.frozen] if frozen else [])
         for block in regions:
             offset, numel = block(0)
             if numel == 0:
@@ -175,6 +209,9 @@ class CrossNodeExchange:
     def announce(self, record: FailureRecord) -> None:
         """This node's ranks cannot continue: tell every node."""
         self.board.post(record)
+
+    def close(self) -> None:
+        self.board.close()
 
     def _run(self, work, doing: str) -> None:
         """Wait for ``work``, watching the board; bounded by ``timeout_s``.
@@ -200,13 +237,7 @@ class CrossNodeExchange:
                 return not waiter.is_alive()
         else:
             def finished(within: float) -> bool:
-                until, pause = time.monotonic() + within, 1e-5
-                while not work.is_completed():
-                    if time.monotonic() >= until:
-                        return False
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
-                return True
+                return wait_until(work.is_completed, within, first_s=1e-5)
         while not finished(BOARD_PERIOD_S):
             record = self.board.read()
             if record is not None:

@@ -34,8 +34,8 @@ from ds_odc.comm.locks import LockFile, holds_life_lock
 from ds_odc.comm.ordering import memory_ordering
 from ds_odc.comm.segments import (CleanupOnSignal, SegmentSpaceError, create_reserved, free_bytes, map_segment,
                                   segment_path, session_paths, sweep_orphans, unlink_quietly)
+from ds_odc.comm.topology import Topology
 from ds_odc.errors import ODCConfigError, ODCPeerError
-from ds_odc.runtime.topology import Topology
 
 SHM_FIELD = "zero_optimization.odc.shm_dir"
 
@@ -124,6 +124,26 @@ class NodeAllocation:
                 "Give the job a larger shared-memory filesystem (docker run --shm-size=..., a Kubernetes emptyDir "
                 f"with medium: Memory and a sizeLimit, mount -o remount,size=... {self.shm_dir}) or point {SHM_FIELD} "
                 "at a tmpfs with room.")
+
+    def allocate(self, create: Callable[[], None], map_peers: Callable[[], None], release: Callable[[], None],
+                 creating: str, mapping: str) -> None:
+        """The whole protocol of the module docstring, for a transport: :meth:`plan`, then under the
+        signal guard ``create`` (this rank's files and windows), agree, ``map_peers``, agree, unlink.
+        On any failure every file of the session is removed, ``release()`` drops what this rank holds,
+        and the error is raised (on every rank: the agreements carry it). ``creating`` / ``mapping``
+        say what a failing rank was doing, in the errors."""
+        self.plan()
+        try:
+            with self.guarded():
+                self.run(create)
+                self.agree(creating)
+                self.run(map_peers)
+                self.agree(mapping)
+                self.unlink_own()
+        except BaseException:
+            self.abort()
+            release()
+            raise
 
     # -- local steps: errors are held for the next agree() ----------------------------------------------
     def run(self, step: Callable[[], None]) -> None:

@@ -1,0 +1,343 @@
+"""The table of every private name of DeepSpeed, torch, accelerate and transformers that ds_odc relies
+on (:data:`SURFACE`), and of every process-wide effect ds_odc has (:data:`PROCESS_WIDE`). Data only:
+:mod:`ds_odc.integration.surface` checks the names and explains what each check proves."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Kind(enum.Enum):
+    """How ds_odc depends on a name, which decides how it is checked (see :mod:`ds_odc.integration.surface`)."""
+    MODULE_ATTRIBUTE = "module attribute"
+    METHOD = "method"
+    CLASS_ATTRIBUTE = "class attribute"
+    DATACLASS_FIELD = "dataclass field"
+    INSTANCE_ATTRIBUTE = "instance attribute"
+    PARAMETER_ATTRIBUTE = "parameter attribute"
+    CALL_TIME_LOOKUP = "looked up at call time"
+    CHECKPOINT_KEY = "checkpoint key"
+    FILE_NAME = "file name part"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateName:
+    """One name ds_odc relies on, where it lives, and which ds_odc file needs it for what."""
+    module: str
+    cls: str | None  # None: the name belongs to the module; "Outer.Inner" for a nested class
+    name: str  # as ds_odc spells it: name-mangled names in their mangled form
+    kind: Kind
+    used_by: str  # the file(s) that use it, from the repository root
+    why: str
+    found_in: str | None = None  # source checks: a function of ``cls`` (else of the module), or a file
+
+    @property
+    def owner(self) -> str:
+        return f"{self.module}.{self.cls}" if self.cls else self.module
+
+    @property
+    def package(self) -> str:
+        return self.module.split(".")[0]
+
+    def describe(self) -> str:
+        """Where the name was expected, e.g. ``self.lp_param_buffer assigned in deepspeed...Stage3._create_...``."""
+        if self.found_in and "/" in self.found_in:
+            where = f"{self.module.replace('.', '/')}/{self.found_in}"
+        else:
+            where = f"{self.owner}.{self.found_in}"
+        return {
+            Kind.INSTANCE_ATTRIBUTE: f"self.{self.name} assigned in {where}",
+            Kind.PARAMETER_ATTRIBUTE: f"param.{self.name} assigned in {where}",
+            Kind.CALL_TIME_LOOKUP: f"{self.name} looked up at call time by {where}",
+            Kind.CHECKPOINT_KEY: f"checkpoint key {self.name!r} written by {where}",
+            Kind.FILE_NAME: f"file name part {self.name!r} in {where}",
+        }.get(self.kind, f"{self.kind.value} {self.owner}.{self.name}")
+
+
+#: Packages ds_odc works without; their entries are checked only on request (see :mod:`ds_odc.integration.surface`).
+OPTIONAL_PACKAGES = ("accelerate", "transformers")
+
+# The files that use the names.
+_OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zero3_params.py"
+_WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/checkpoints.py"
+_INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
+_TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
+_HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/engine.py"
+_BALANCE, _COST = "ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_cost.py"
+
+_ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
+_PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
+_ENGINE_CLS, _STAGE3 = "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3"
+
+
+def _parameter_attribute(name: str, used_by: str, why: str) -> PrivateName:
+    """An attribute ``Init._convert_to_deepspeed_param`` attaches to every parameter ZeRO-3 partitions."""
+    return PrivateName(_PP, "Init", name, Kind.PARAMETER_ATTRIBUTE, used_by, why,
+                       found_in="_convert_to_deepspeed_param")
+
+
+SURFACE: tuple[PrivateName, ...] = (
+    # -- deepspeed: initialize, config parsing, timeouts, shared memory -------------------------------
+    PrivateName("deepspeed", None, "DeepSpeedEngine", Kind.MODULE_ATTRIBUTE, _INIT,
+                "swapped for ODCEngine while deepspeed.initialize runs"),
+    PrivateName("deepspeed", None, "DeepSpeedEngine", Kind.CALL_TIME_LOOKUP, _INIT, "so the swap reaches it",
+                found_in="initialize"),
+    PrivateName("deepspeed.runtime.config", None, "get_zero_config", Kind.MODULE_ATTRIBUTE, _INIT,
+                "patched: a raw 'odc' dict parses as stage 3"),
+    PrivateName("deepspeed.runtime.config", "DeepSpeedConfig", "get_zero_config", Kind.CALL_TIME_LOOKUP, _INIT,
+                "so the patch reaches it", found_in="_initialize_params"),
+    PrivateName("deepspeed.runtime.config", "DeepSpeedConfig", "_param_dict", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
+                "the raw ds_config, where the 'odc' options are read", found_in="__init__"),
+    PrivateName("deepspeed.runtime.tensor_parallel.init_utils", None, "load_ds_config", Kind.MODULE_ATTRIBUTE, _INIT,
+                "reads a ds_config given as a path, as deepspeed.initialize does"),
+    PrivateName("deepspeed.constants", None, "default_pg_timeout", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
+                "the silent-peer bound when the process group's cannot be read"),
+    PrivateName("deepspeed", None, "deepspeed_allreduce_buffer", Kind.FILE_NAME, _SHM,
+                "the /dev/shm buffer of DeepSpeed's CPU all-reduce, unlinked once mapped",
+                found_in="ops/csrc/cpu/comm/shm.cpp"),
+    # -- deepspeed.runtime.engine.DeepSpeedEngine: the base of ODCEngine ----------------------------------
+    PrivateName(_ENG, _ENGINE_CLS, "_configure_zero_optimizer", Kind.METHOD, _ENGINE,
+                "overridden: builds ODCStage3Optimizer"),
+    PrivateName(_ENG, _ENGINE_CLS, _STAGE3, Kind.CALL_TIME_LOOKUP, _ENGINE,
+                "imported at call time, so the module-attribute swap reaches it",
+                found_in="_configure_zero_optimizer"),
+    PrivateName(_ENG, _ENGINE_CLS, "_backward_prologue_per_tensor", Kind.METHOD, _ENGINE,
+                "overridden: no 1/gradient_accumulation_steps for per-token micro-batches"),
+    PrivateName(_ENG, _ENGINE_CLS, "_backward_post_hook", Kind.METHOD, _ENGINE,
+                "overridden: a ledger entry per loss.backward()"),
+    PrivateName(_ENG, _ENGINE_CLS, "_take_model_step", Kind.METHOD, _ENGINE,
+                "overridden: global_samples counts the global micro-batches; its zero_grad stays local"),
+    PrivateName(_ENG, _ENGINE_CLS, "_backward_epilogue", Kind.METHOD, _ENGINE,
+                "overridden: marks DeepSpeed's own allreduce_gradients call inside backward"),
+    PrivateName("deepspeed.comm", None, "barrier", Kind.MODULE_ATTRIBUTE, _CKPT,
+                "swapped for an ODC barrier round while save_checkpoint runs (fails fast on a failed peer)"),
+    PrivateName(_ENG, _ENGINE_CLS, "barrier", Kind.CALL_TIME_LOOKUP, _CKPT, "so the swap reaches its barriers",
+                found_in="save_checkpoint"),
+    PrivateName(_ENG, _ENGINE_CLS, "_get_ckpt_name", Kind.METHOD, _CKPT,
+                "the model-states file fsynced before 'latest'"),
+    PrivateName(_ENG, _ENGINE_CLS, "_get_zero_ckpt_name", Kind.METHOD, _CKPT,
+                "the optimizer-states file fsynced before 'latest'"),
+    PrivateName(_ENG, _ENGINE_CLS, "load_universal_checkpoint", Kind.METHOD, _CKPT,
+                "whether a load is a universal one"),
+    PrivateName(_ENG, _ENGINE_CLS, "managed_gradient_accumulation", Kind.METHOD, f"{_ENGINE}, {_METRICS}",
+                "whether DeepSpeed decides the accumulation boundary"),
+    PrivateName(_ENG, _ENGINE_CLS, "_config", Kind.INSTANCE_ATTRIBUTE, _ENGINE, "holds the raw ds_config",
+                found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "_running_engine_backward", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
+                "tells loss.backward() from engine.backward()", found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_samples", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
+                "re-set from the global micro-batch count", found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_steps", Kind.INSTANCE_ATTRIBUTE, _CKPT, "the default checkpoint tag",
+                found_in="__init__"),
+    PrivateName(_ENG, _ENGINE_CLS, "global_rank", Kind.INSTANCE_ATTRIBUTE, f"{_CKPT}, {_METRICS}",
+                "rank 0 writes 'latest'; metrics rank", found_in="_set_distributed_vars"),
+    PrivateName(_ENG, _ENGINE_CLS, "checkpoint_engine", Kind.INSTANCE_ATTRIBUTE, _CKPT,
+                "decoupled engines commit 'latest' themselves", found_in="_configure_checkpointing"),
+    PrivateName(_ENG, _ENGINE_CLS, "module", Kind.CHECKPOINT_KEY, _CKPT, "buffers restored after a universal load",
+                found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_shapes", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_fragments", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+    PrivateName(_ENG, _ENGINE_CLS, "zero_pp_rank_", Kind.FILE_NAME, _CKPT,
+                "counts and orders the saving ranks' files", found_in="_get_ckpt_name"),
+    PrivateName(_ENG, _ENGINE_CLS, "_model_states.pt", Kind.FILE_NAME, _CKPT,
+                "counts and orders the saving ranks' files", found_in="_get_ckpt_name"),
+    PrivateName("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine", "is_decoupled",
+                Kind.METHOD, _CKPT, "decoupled engines commit 'latest' themselves"),
+    # -- deepspeed.runtime.zero.stage3: the base of ODCStage3Optimizer ------------------------------------
+    PrivateName(_Z3, None, _STAGE3, Kind.MODULE_ATTRIBUTE, _ENGINE,
+                "swapped for the ODC optimizer during _configure_zero_optimizer"),
+    PrivateName("deepspeed.runtime.superoffload.superoffload_stage3", None, _STAGE3, Kind.MODULE_ATTRIBUTE, _ENGINE,
+                "imported before any swap, so SuperOffload subclasses ZeRO-3's class"),
+    PrivateName("deepspeed.runtime.zero.utils", None, "get_norm_dtype", Kind.MODULE_ATTRIBUTE, _OPT,
+                "the dtype ZeRO-3 sums squared gradient norms in, for the same norm round arithmetic"),
+    PrivateName(_Z3, _STAGE3, "_create_fp16_partitions_with_defragmentation", Kind.METHOD, _OPT,
+                "overridden: the flat shard buffer moves into the parameter window"),
+    PrivateName(_Z3, _STAGE3, f"_{_STAGE3}__reduce_and_partition_ipg_grads", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: pushes instead of the reduce-scatter"),
+    PrivateName(_Z3, _STAGE3, "_get_norm_groups", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: one norm exchange"),
+    PrivateName(_Z3, _STAGE3, "has_overflow", Kind.METHOD, _OPT,
+                "overridden: the norm round's verdict (fp16 skips the same steps everywhere)"),
+    PrivateName(_Z3, _STAGE3, "_get_fp32_grad_state_partition", Kind.METHOD, _OPT,
+                "overridden: a gradient fence before safe_get/set_*_grad reads a partition"),
+    PrivateName(_Z3, _STAGE3, "_post_step", Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "overridden: no persistent-parameter all-gather"),
+    PrivateName(_Z3, _STAGE3, "_partition_all_parameters", Kind.METHOD, _OPT, "drops stale full copies after a load"),
+    PrivateName(_Z3, _STAGE3, "_set_fp16_partitioned_groups_flat", Kind.METHOD, _WINDOWS,
+                "rebuilds the flat groups on the window"),
+    PrivateName(_Z3, _STAGE3, "_unflatten_partitioned_parameters", Kind.METHOD, _WINDOWS,
+                "points every shard into the window"),
+    PrivateName(_Z3, _STAGE3, "_overflow_check_and_loss_scale_update", Kind.METHOD, _METRICS, "timed as step wait"),
+    PrivateName(_Z3, _STAGE3, "reduce_independent_p_g_buckets_and_remove_grads", Kind.METHOD, _OPT,
+                "called without ZeRO-3's coalescing check: ODC pushes every backward's gradients"),
+    PrivateName(_Z3, _STAGE3, "independent_gradient_partition_epilogue", Kind.METHOD, _ENGINE,
+                "pushes the last bucket of a backward inside coalesce_grad_reduction()"),
+    PrivateName(_ENG, _ENGINE_CLS, "inside_no_sync_ctxt", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
+                "inside coalesce_grad_reduction(): DeepSpeed skips the backward epilogue", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "reduce_ready_partitions_and_remove_grads", Kind.METHOD, _OPT,
+                "overridden: a heartbeat per gradient"),
+    PrivateName(_Z3, _STAGE3, "destroy", Kind.METHOD, _OPT, "overridden: releases windows and hooks"),
+    PrivateName(_Z3, _STAGE3, "module", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
+                "every module gets a heartbeat hook; the partitioned parameters",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "parameter_offload", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_METRICS}",
+                "reaches the parameter coordinator", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "persistent_parameters", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "pulled after the step instead of all-gathered", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "offload_param", Kind.INSTANCE_ATTRIBUTE, _OPT, "parameter offload is refused",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "offload_optimizer", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "optimizer offload: the accumulator is copied into the host gradient buffers", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "swap_optimizer", Kind.INSTANCE_ATTRIBUTE, _OPT, "NVMe optimizer offload is refused",
+                found_in="_configure_offloading"),
+    PrivateName(_Z3, _STAGE3, "grad_position", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "where each parameter's gradient sits in its sub-group's host buffer", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "fp32_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "the host gradient buffers (.grad) under optimizer offload", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "dp_process_group", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_CKPT}",
+                "rank and world of the windows", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "reduce_and_partition_stream", Kind.INSTANCE_ATTRIBUTE, _OPT,
+                "pushes run on ZeRO-3's reduce stream", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE, _OPT, "the mean rule's divisor",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}", "the trainable parameters, by sub-group",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _WINDOWS, "rebuilt on the window",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "averaged_gradients", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
+                "set to the accumulator views before the step", found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "ipg_buckets", Kind.INSTANCE_ATTRIBUTE, _OPT, "the bucket whose gradients are pushed",
+                found_in="__init__"),
+    PrivateName(_Z3, _STAGE3, "lp_param_buffer", Kind.INSTANCE_ATTRIBUTE, _WINDOWS, "replaced by the parameter window",
+                found_in="_create_fp16_partitions_with_defragmentation"),
+    PrivateName(_Z3, _STAGE3, "grad_partitions_flat_buffer", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
+                "replaced by the gradient accumulator window", found_in="_setup_for_real_optimizer"),
+    PrivateName(_Z3, _STAGE3, f"_{_STAGE3}__param_id_to_grad_partition", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
+                "re-pointed at the accumulator window", found_in="_setup_for_real_optimizer"),
+    PrivateName(_Z3, "IPGBucketZ3", "params", Kind.DATACLASS_FIELD, _OPT,
+                "cleared after the pushes, as clear_params does"),
+    PrivateName(_Z3, "IPGBucketZ3", "elements", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
+    PrivateName(_Z3, "IPGBucketZ3", "process_group", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
+    # -- deepspeed.runtime.zero: parameter offload, coordinator, parameter status ------------------------
+    PrivateName("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "get_param_coordinator",
+                Kind.METHOD, f"{_OPT}, {_METRICS}",
+                "the coordinator whose trace check is skipped and whose fetches are timed"),
+    PrivateName(_COORD, None, "assert_ints_same_as_other_ranks", Kind.MODULE_ATTRIBUTE, _PARAMS,
+                "swapped for a gate that skips the trace check on ODC coordinators"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "assert_ints_same_as_other_ranks", Kind.CALL_TIME_LOOKUP,
+                _PARAMS, "so the gate reaches it", found_in="reset_step"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "reset_step", Kind.METHOD, _PARAMS,
+                "wrapped to skip the trace check"),
+    PrivateName(_COORD, "PartitionedParameterCoordinator", "fetch_sub_module", Kind.METHOD, _METRICS,
+                "timed as a gather"),
+    PrivateName(_PP, None, "ZeroParamStatus", Kind.MODULE_ATTRIBUTE, f"{_OPT}, {_PARAMS}",
+                "the status a pull sets and reads"),
+    PrivateName(_PP, "ZeroParamStatus", "AVAILABLE", Kind.CLASS_ATTRIBUTE, _PARAMS, "set when a pull completes"),
+    PrivateName(_PP, "ZeroParamStatus", "INFLIGHT", Kind.CLASS_ATTRIBUTE, _PARAMS, "set while a pull is pending"),
+    PrivateName(_PP, "ZeroParamStatus", "NOT_AVAILABLE", Kind.CLASS_ATTRIBUTE, f"{_OPT}, {_PARAMS}",
+                "only released parameters are pulled"),
+    # -- attributes Init attaches to every partitioned parameter -----------------------------------------
+    _parameter_attribute("ds_id", f"{_OPT}, {_PARAMS}", "the window slot of the parameter"),
+    _parameter_attribute("ds_numel", f"{_WINDOWS}, {_PARAMS}", "full size of a pull"),
+    _parameter_attribute("ds_shape", _PARAMS, "shape of a pulled parameter"),
+    _parameter_attribute("ds_tensor", f"{_WINDOWS}, {_PARAMS}, {_CKPT}", "this rank's shard, moved into the window"),
+    _parameter_attribute("ds_status", f"{_OPT}, {_PARAMS}", "pull state"),
+    _parameter_attribute("partition_numel", _WINDOWS, "shard size in the window layout"),
+    _parameter_attribute("ds_summary", _PARAMS, "names the parameter in an error"),
+    _parameter_attribute("all_gather", _PARAMS, "replaced by a pull"),
+    _parameter_attribute("all_gather_coalesced", _PARAMS, "replaced by a pull"),
+    _parameter_attribute("partition", _PARAMS, "wrapped: waits for every owner after a modification"),
+    # -- torch.distributed: the process group's timeout --------------------------------------------------
+    PrivateName("torch.distributed.distributed_c10d", None, "_get_default_group", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
+                "the world process group"),
+    PrivateName("torch.distributed", "ProcessGroup", "_get_backend", Kind.METHOD, _TIMEOUTS,
+                "the group's CPU backend"),
+    PrivateName("torch._C._distributed_c10d", "ProcessGroupGloo", "options", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
+                "the backend's options"),
+    PrivateName("torch._C._distributed_c10d", "Backend.Options", "_timeout", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
+                "the bound for a silent peer; DeepSpeed's default without it"),
+    # -- accelerate (optional) ---------------------------------------------------------------------------
+    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
+                f"{_HF}, ds_odc_autoload.py", "patched: canonicalises an 'odc' config first"),
+    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "config", Kind.INSTANCE_ATTRIBUTE, _HF,
+                "the ds_config canonicalised in place", found_in="__init__"),
+    PrivateName("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "engine", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "tells whether it wraps the released engine", found_in="__init__"),
+    PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "forgets the released inference engine", found_in="__init__"),
+    PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)", found_in="__init__"),
+    PrivateName("accelerate.state", "GradientState", "_set_sync_gradients", Kind.METHOD, _BALANCE,
+                "the accumulation boundary on a slot's last micro-batch only"),
+    PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _BALANCE,
+                "the DataLoader settings carried into the rebuilt training loader"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "rng_types", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "synchronized_generator", Kind.INSTANCE_ATTRIBUTE,
+                _BALANCE, "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "iteration", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "split_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "replays the sharding for every rank", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "even_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                "replays the sharding for every rank", found_in="__init__"),
+    # -- transformers (optional) -------------------------------------------------------------------------
+    PrivateName("transformers.trainer", None, "deepspeed_init", Kind.MODULE_ATTRIBUTE, _TRAINER,
+                "patched: releases an inference-only ODC engine before training"),
+    PrivateName("transformers.trainer", "Trainer", "deepspeed_init", Kind.CALL_TIME_LOOKUP, _TRAINER,
+                "so the patch reaches training", found_in="_prepare_for_training"),
+    PrivateName("transformers.trainer", "Trainer", "deepspeed", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "forgets the released inference engine", found_in="__init__"),
+    PrivateName("transformers.trainer", "Trainer", "accelerator", Kind.INSTANCE_ATTRIBUTE,
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "where the engine is registered; its gathers",
+                found_in="create_accelerator_and_postprocess"),
+    PrivateName("transformers.trainer", "Trainer", "get_batch_samples", Kind.METHOD, _BALANCE,
+                "patched: a step's slots and its global loss-token count"),
+    PrivateName("transformers.trainer", "Trainer", "_get_num_items_in_batch", Kind.METHOD, _BALANCE,
+                "the Trainer's own loss-token count, over a slot's micro-batches"),
+    PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
+                "patched: counts over a slot's micro-batches"),
+    PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
+                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world", found_in="_run_epoch"),
+)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessWide:
+    """Something ds_odc changes beyond its own objects, for how long, and why it cannot be narrower."""
+    what: str
+    lifetime: str
+    why: str
+    where: str
+
+
+#: Every process-wide effect of ds_odc. Each replacement delegates unchanged to the original for anything
+#: that is not an ODC job; the scoped swaps last one call and are restored on every exit path.
+PROCESS_WIDE: tuple[ProcessWide, ...] = (
+    ProcessWide("deepspeed.initialize replaced", "while ds_odc is registered (import ds_odc, or autoload)",
+                "the one entry every launcher, accelerate and the HF Trainer go through; configs without the odc "
+                "stage run the original unchanged", _INIT),
+    ProcessWide("deepspeed.runtime.config.get_zero_config replaced", "while ds_odc is registered",
+                "zero.Init(config_dict_or_path=<odc dict>) and other raw readers parse the dict; it works on a copy "
+                "and leaves every other dict to the original", _INIT),
+    ProcessWide("deepspeed.DeepSpeedEngine swapped for ODCEngine", "one deepspeed.initialize call of an odc config",
+                "initialize looks the engine class up at call time", _INIT),
+    ProcessWide("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 swapped", "one _configure_zero_optimizer "
+                "call of an ODC engine", "DeepSpeed imports the class at call time and passes ~45 arguments", _ENGINE),
+    ProcessWide("deepspeed.comm.barrier swapped for an ODC round", "one save_checkpoint call of an ODC engine",
+                "DeepSpeed's save barriers must fail fast when a peer died", _CKPT),
+    ProcessWide("partitioned_param_coordinator.assert_ints_same_as_other_ranks gated",
+                "while ODC engines' parameter coordinators exist", "only ODC coordinators skip the trace check; "
+                "every other coordinator's call goes to the original", _PARAMS),
+    ProcessWide("sys.excepthook chained", "while ODC engines live (restored when the last one closes)",
+                "an uncaught exception reaches the peers as that exception, not as a bare exit",
+                "ds_odc/runtime/crash.py"),
+    ProcessWide("an atexit hook", "the process (DS_ODC_CLEAN_EXIT=0: none)", "gloo workers finish their last "
+                "decref before finalisation; no collective, bounded wait", "ds_odc/integration/clean_exit.py"),
+    ProcessWide("a post-import finder on sys.meta_path", "until the modules it waits for are imported",
+                "ds_odc patches accelerate and transformers only once a program imports them", "ds_odc_import_hooks.py"),
+)

@@ -1,0 +1,108 @@
+"""ZeRO-3's buffers moved into ODC's windows, and back out.
+
+ZeRO-3 keeps each rank's shards in a flat compute-dtype buffer (``lp_param_buffer``, viewed by every
+parameter's ``ds_tensor``) and its gradient partitions in a flat fp32 buffer
+(``grad_partitions_flat_buffer``, viewed per parameter). On ODC both live in memory peers reach: the
+flat shard buffer *is* the trainable part of this rank's parameter window (so the optimizer's update
+is already published, no copy), frozen shards follow it, and the gradient partitions *are* this rank's
+block of the accumulator. Free functions over the optimizer, each undone by :func:`release_windows`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_odc.config import ODCConfig
+from ds_odc.errors import ODCConfigError
+from ds_odc.runtime import ODCRuntime, SessionPlan, Shard
+
+GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+ACCUMULATOR_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def partitioned_params(optimizer) -> list:
+    """Every parameter ZeRO-3 partitioned for this optimizer's module (trainable and frozen)."""
+    module = getattr(optimizer, "module", None)  # absent if ZeRO-3's __init__ failed early
+    return [] if module is None else [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+
+def frozen_params(optimizer) -> list:
+    return sorted((p for p in partitioned_params(optimizer) if not p.requires_grad), key=lambda p: p.ds_id)
+
+
+def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan:
+    """What this optimizer asks of an ODC session: its trainable shards in flat-buffer order, then the
+    frozen ones, in the compute dtype, on its device."""
+    trainable = [Shard(p.ds_id, p.ds_numel, p.partition_numel()) for group in optimizer.fp16_groups for p in group]
+    frozen = frozen_params(optimizer)
+    compute_dtype = optimizer.lp_param_buffer.dtype
+    if sum(s.shard_numel for s in trainable) != optimizer.lp_param_buffer.numel():
+        raise RuntimeError("ZeRO-3 flat shard buffer does not match the ODC window layout")
+    if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
+        raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
+    return SessionPlan(trainable=trainable, frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in frozen],
+                       compute_dtype=compute_dtype, device=str(optimizer.lp_param_buffer.device),
+                       norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
+                       shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
+                       accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype])
+
+
+def adopt_param_window(optimizer, runtime: ODCRuntime) -> None:
+    """The flat shard buffer and every frozen shard move into this rank's parameter window."""
+    trainable = runtime.own_trainable_shards()
+    trainable.copy_(optimizer.lp_param_buffer)
+    optimizer.lp_param_buffer = trainable
+    optimizer.fp16_partitioned_groups_flat = []
+    optimizer._set_fp16_partitioned_groups_flat()
+    for sub_group_id in range(len(optimizer.fp16_groups)):
+        optimizer._unflatten_partitioned_parameters(sub_group_id)
+    for param in frozen_params(optimizer):
+        view = runtime.own_shard(param.ds_id)
+        view.copy_(param.ds_tensor.data.reshape(-1))
+        param.ds_tensor.data = view
+
+
+def adopt_accumulator(optimizer, runtime: ODCRuntime) -> None:
+    """This rank's block of the fp32 accumulator stands in for ZeRO-3's gradient partition buffer."""
+    optimizer.grad_partitions_flat_buffer = runtime.own_gradients()
+    views = getattr(optimizer, GRAD_PARTITIONS)
+    for key, slot in runtime.layout.slots.items():
+        if slot.grad_offset is not None:
+            views[key] = runtime.own_gradient(key)
+
+
+def accumulator_views(optimizer, sub_group) -> list:
+    """ZeRO-3's ``averaged_gradients`` of one sub-group on ODC: the accumulator's views (zeros for a
+    frozen parameter), what ZeRO-3's backward epilogue sets and its step reads."""
+    views = getattr(optimizer, GRAD_PARTITIONS)
+    return [views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in sub_group]
+
+
+def publish_rebound_shards(optimizer, runtime: ODCRuntime) -> None:
+    """Copy shards that ``ds_tensor.data = t`` moved out of the window back into it (the open round
+    runs this before its first rendezvous; in-place writes land in the window already)."""
+    for param in partitioned_params(optimizer):
+        if param.ds_id not in runtime.layout.slots or param.ds_tensor is None:
+            continue
+        view = runtime.own_shard(param.ds_id)
+        shard = param.ds_tensor
+        if shard.data_ptr() == view.data_ptr() and shard.numel() == view.numel():
+            continue
+        if shard.numel() != view.numel():
+            raise ValueError(f"parameter {param.ds_id} ({tuple(param.ds_shape)}): its shard (ds_tensor) was replaced "
+                             f"by one of {shard.numel()} elements, the partition has {view.numel()}")
+        view.copy_(shard.data.reshape(-1))
+        shard.data = view.view(shard.shape)
+
+
+def release_windows(optimizer) -> None:
+    """Shards copied out of the windows into private memory, ZeRO-3's buffers dropped: the model stays
+    usable after the engine (DeepSpeed keeps a destroyed engine's module reachable, and whatever still
+    viewed a window would keep its shared pages, counted against shm_dir, for the life of the process)."""
+    for param in partitioned_params(optimizer):
+        if param.ds_tensor is not None:
+            param.ds_tensor.data = param.ds_tensor.data.clone()
+    optimizer.lp_param_buffer = None
+    optimizer.fp16_partitioned_groups_flat = []
+    optimizer.grad_partitions_flat_buffer = None
+    getattr(optimizer, GRAD_PARTITIONS, {}).clear()
+    optimizer.averaged_gradients = {}
