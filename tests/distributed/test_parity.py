@@ -7,6 +7,11 @@ from tests.distributed.workloads import train_pair
 
 STEPS = 10
 FP32_TOL = 1e-6
+# With fp64 owner sums the gradient difference is ZeRO-3's own fp32 rounding (its reduce-scatter and its
+# accumulation over micro-batches), which depends on the machine's kernels: 1.31e-6 relative at step 8 of
+# w4-gas3-adam on an AVX-512 Xeon (12 contributions per element of a cancellation-heavy bias gradient),
+# under 1e-6 on the machine the bar was first set on. Parameters stay within FP32_TOL everywhere.
+ZERO3_ROUNDING_TOL = 2e-6
 # An owner adds fp32 pushes in the order they arrive; ZeRO-3 adds them in gloo's order. Measured worst
 # gradient difference from that order alone: 1.3e-6 relative (cancellation-heavy bias gradients, 12
 # contributions per element). Parameters stay within FP32_TOL.
@@ -41,8 +46,8 @@ def _assert_steps_equal(odc, zero3, grad_tol, param_tol, label):
 def test_fp32_parity_with_zero3(world, gas, options):
     """Each case runs three engines on the same ranks: ODC with exact (fp64) owner sums, ODC with the
     default fp32 accumulators, and ZeRO-3. With exact sums the only difference left is ZeRO-3's own
-    rounding, so the 1e-6 bar holds deterministically; the fp32 default adds arrival-order noise to the
-    gradients (never to the 1e-6 bar on parameters)."""
+    rounding (ZERO3_ROUNDING_TOL on gradients, 1e-6 on parameters, deterministically); the fp32 default
+    adds arrival-order noise to the gradients (never to the 1e-6 bar on parameters)."""
     options = dict(options)
     model_kw = {"zero_init": options.pop("zero_init", False)}
     configs = [("odc", {**options, "odc": EXACT_SUMS}), ("odc", options), (3, options)]
@@ -52,7 +57,7 @@ def test_fp32_parity_with_zero3(world, gas, options):
     for rank_exact, rank_default, rank_zero3 in runs:
         _assert_losses_equal(rank_exact, rank_zero3, FP32_TOL)
         _assert_losses_equal(rank_default, rank_zero3, FP32_TOL)
-    _assert_steps_equal(exact, zero3, FP32_TOL, FP32_TOL, "fp64 accumulators")
+    _assert_steps_equal(exact, zero3, ZERO3_ROUNDING_TOL, FP32_TOL, "fp64 accumulators")
     _assert_steps_equal(default, zero3, FP32_ARRIVAL_ORDER_TOL, FP32_TOL, "fp32 accumulators")
     # the frozen layer never moves, and the trainable ones did
     assert max_rel_diff(exact["params"][-1]["frozen.weight"], exact["params"][0]["frozen.weight"]) == 0.0
