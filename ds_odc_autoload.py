@@ -38,26 +38,31 @@ def _import_ds_odc(_module=None) -> None:
 
 
 def _asks_for_odc(config) -> bool:
+    """``"stage": "odc"`` or an odc block (top level or under ``zero_optimization``): what
+    ``ds_odc.integration.hf`` canonicalises, or refuses naming why (a balance block on stage 3)."""
     if not isinstance(config, dict):
         return False
     zero = config.get("zero_optimization")
-    return (isinstance(zero, dict) and zero.get("stage") == "odc") or "odc" in config
+    return "odc" in config or (isinstance(zero, dict) and (zero.get("stage") == "odc" or "odc" in zero))
 
 
 def _guard_hf_deepspeed_config(module) -> None:
     """Make ``HfDeepSpeedConfig`` import ds_odc when it meets an "odc" config (cheap otherwise)."""
     if "ds_odc" in sys.modules:
         return  # ds_odc's own patch is (or is being) installed
-    cls = module.HfDeepSpeedConfig
-    original = cls.set_stage_and_offload
-    if hasattr(original, "ds_odc_guarded"):
-        return
+    cls = getattr(module, "HfDeepSpeedConfig", None)
+    original = getattr(cls, "set_stage_and_offload", None)
+    if original is None or hasattr(original, "ds_odc_guarded"):
+        return  # another accelerate release: nothing to guard (ds_odc's own patch says what is missing)
 
     def set_stage_and_offload(self):
-        if _asks_for_odc(getattr(self, "config", None)):
-            _import_ds_odc()  # installs ds_odc.integration.hf's patch in place of this guard
-        current = cls.__dict__["set_stage_and_offload"]
-        return current(self) if current is not set_stage_and_offload else original(self)
+        config = getattr(self, "config", None)
+        if _asks_for_odc(config):
+            _import_ds_odc()  # installs ds_odc.integration.hf's patch in place of this guard, for later calls
+            from ds_odc.integration.hf import read_as_accelerate
+
+            read_as_accelerate(config)  # what that patch does first, for this call
+        return original(self)
 
     set_stage_and_offload.ds_odc_guarded = original  # what ds_odc's own patch wraps instead of this guard
     cls.set_stage_and_offload = set_stage_and_offload

@@ -105,7 +105,8 @@ def _run_cell(rank: int, cell: dict) -> dict:
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
-            headers.append(getattr(trainer, "_odc_last_header", None))
+            balance = hf_balance.balance_state(trainer)
+            headers.append(balance.last_header if balance is not None else None)
             recorder = getattr(trainer.model_wrapped, "odc_metrics", None) or recorders.get("zero3")
             if recorder is not None and recorder.last is not None:
                 reports.append(recorder.last)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (imports the stage-3 class itself)
+import torch
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
@@ -82,12 +83,13 @@ class ODCEngine(DeepSpeedEngine):
             if isinstance(getattr(self, "optimizer", None), ODCStage3Optimizer):
                 self.optimizer.destroy()
             raise
-        if self._odc is not None and self._odc.options.metrics and self._odc_trains:
+        if self._odc is not None and self._odc.options.metrics and self.odc_trains:
             from ds_odc.integration.metrics_hooks import attach_recorder
             attach_recorder(self, self._odc.options.metrics_log_interval)
 
     @property
-    def _odc_trains(self) -> bool:
+    def odc_trains(self) -> bool:
+        """Whether this engine trains on ODC (an engine without an optimizer is inference-only)."""
         return isinstance(self.optimizer, ODCStage3Optimizer)
 
     # -- public API ------------------------------------------------------------------------------
@@ -133,6 +135,13 @@ class ODCEngine(DeepSpeedEngine):
         """DeepSpeed's, checked against this job's world size, completed after a universal load, and
         re-published to every rank (:mod:`ds_odc.integration.checkpoints`)."""
         return checkpoints.load_checkpoint(self, super().load_checkpoint, load_dir, tag, *args, **kwargs)
+
+    def odc_exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``values`` (1-D, at most :data:`~ds_odc.runtime.core.VALUES_WIDTH`), one float64 row
+        per rank, between steps. Collective: every rank calls it at the same point (as a ``gather``), but it
+        is an ODC round, so a rank that died or stalls is named within ``timeout_s`` instead of leaving its
+        peers in a collective until the process group's timeout. ``what`` names it in errors."""
+        return self.optimizer.odc.exchange_values(values, what)
 
     @property
     def odc_phase(self) -> Phase:
@@ -180,13 +189,13 @@ class ODCEngine(DeepSpeedEngine):
         return super()._backward_prologue_per_tensor(grad)
 
     def _backward_post_hook(self):
-        if not self._running_engine_backward and self._odc_trains:  # a torch-style loss.backward()
+        if not self._running_engine_backward and self.odc_trains:  # a torch-style loss.backward()
             decided = self._odc_rule_for_backward(scale_wrt_gas=True)
             self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
         return super()._backward_post_hook()
 
     def _take_model_step(self, lr_kwargs):
-        if not self._odc_trains:
+        if not self.odc_trains:
             return super()._take_model_step(lr_kwargs)
         samples_before = self.global_samples
         with self.optimizer.step_context() as step:
@@ -197,7 +206,7 @@ class ODCEngine(DeepSpeedEngine):
     def _backward_epilogue(self):
         self._odc.in_backward_epilogue = True
         try:
-            if self.inside_no_sync_ctxt and self._odc_trains:
+            if self.inside_no_sync_ctxt and self.odc_trains:
                 # engine.coalesce_grad_reduction() skips the epilogue that pushes the last gradient
                 # bucket; ODC does not coalesce (see ODCStage3Optimizer.reduce_ready_partitions_and_remove_grads)
                 self.optimizer.independent_gradient_partition_epilogue()
@@ -209,6 +218,6 @@ class ODCEngine(DeepSpeedEngine):
         """DeepSpeed's; called by the script itself (not by backward), it also fences gradients, so
         the optimizer's ``averaged_gradients`` hold every rank's micro-batches, as after ZeRO-3's."""
         result = super().allreduce_gradients(*args, **kwargs)
-        if not self._odc.in_backward_epilogue and self._odc_trains:
+        if not self._odc.in_backward_epilogue and self.odc_trains:
             self.optimizer._odc_fence_for_read("engine.allreduce_gradients()")
         return result

@@ -5,17 +5,16 @@ from ds_odc.integration.versions import check_deepspeed_version
 
 def register() -> None:
     """Make ``deepspeed.initialize`` understand ``"stage": "odc"`` (idempotent), and transformers /
-    accelerate see it as ZeRO-3 once they are imported.
+    accelerate see it as ZeRO-3 once they are imported (the Trainer hook follows once a config asks for
+    the odc stage: :mod:`ds_odc.integration.hf`).
 
     First checks every private DeepSpeed and torch name ds_odc relies on (:mod:`ds_odc.integration.surface`;
     not the transformers / accelerate ones, so that importing ds_odc does not import them), then the
     DeepSpeed release: on another release, the error names what is missing, if anything is."""
     assert_surface()
     check_deepspeed_version()
-    from ds_odc.integration import hf, hf_balance, hf_trainer
+    from ds_odc.integration import hf
     from ds_odc.integration.initialize import register as _register
 
     _register()
     hf.register()
-    hf_trainer.register()
-    hf_balance.register()

@@ -1,12 +1,13 @@
 """``"cost_model": "measure"``: fit ``c + a·s² + b·s`` on this model and machine when training starts.
 
 Every rank times the same forward+backward passes of one synthetic sample at several lengths up to
-the token cap (after a warm-up pass each), the ranks average their medians in one gather so that the
-fit, hence every plan, is the same everywhere, and the gradients of those passes are dropped with a
-collective ``zero_grad`` before the first real micro-batch. Runs once, when the training data
-loader first plans a step (the engine exists by then); the fit is logged once. Times that do not grow
-with length (samples too short to time on a loaded machine) fall back to the token count, with a
-warning: every rank sees the same averaged times, so every rank falls back alike.
+the token cap (after a warm-up pass each), the ranks average their medians in one gather
+(:func:`~ds_odc.integration.hf_gather.gather_rows`) so that the fit, hence every plan, is the same
+everywhere, and the gradients of those passes are dropped with a collective ``zero_grad`` before the
+first real micro-batch. Runs once, when the training data loader first plans a step (the engine
+exists by then); the fit is logged once. Times that do not grow with length (samples too short to
+time on a loaded machine) fall back to the token count, with a warning: every rank sees the same
+averaged times, so every rank falls back alike.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from deepspeed.utils import logger
 from ds_odc.balance.cost import CostModel, fit_cost_model
 from ds_odc.config import BalanceConfig
 from ds_odc.errors import ODCError
+from ds_odc.integration.hf_gather import gather_rows
 
 #: Fractions of the token cap timed; five lengths from 1/16 of the cap to the cap.
 MEASURED_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
@@ -52,9 +54,7 @@ def measure_cost_model(trainer, config: BalanceConfig) -> CostModel:
         runs = sorted(seconds(length) for _ in range(REPEATS))
         medians.append(runs[len(runs) // 2])
     engine.optimizer.zero_grad()  # collective on ODC: every rank drops these gradients
-    times = torch.tensor([medians], dtype=torch.float64, device=device)
-    if trainer.args.world_size > 1:
-        times = trainer.accelerator.gather(times)
+    times = gather_rows(trainer, torch.tensor(medians, dtype=torch.float64), "cost-model times")
     averaged = dict(zip(lengths, times.mean(dim=0).tolist()))
     try:
         model = fit_cost_model(lambda length: averaged[length], lengths, repeats=1, warmup=0)

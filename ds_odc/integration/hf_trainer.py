@@ -1,16 +1,29 @@
-"""``Trainer.train()`` after ``Trainer.evaluate()`` on an "odc" config.
+"""What a Hugging Face ``Trainer`` that asks for ODC does differently, bound on that Trainer only.
 
-``evaluate()`` before ``train()`` builds an inference-only DeepSpeed engine (no optimizer) and keeps
-it as ``trainer.model_wrapped``. ``train()`` then sees an already wrapped model, skips
-``accelerator.prepare`` and never builds a training engine: its first backward fails with
-``'NoneType' object has no attribute 'backward'`` (transformers 5.23.0 / accelerate 1.15.0; stage 3
-fails the same way, and is left as it is).
+A Trainer asks for ODC when the ds_config of its arguments does (``args.hf_deepspeed_config.config``,
+``"stage": "odc"``). Such a Trainer instance gets, as methods of its own (``types.MethodType``, each
+delegating to its class's method; :func:`ds_odc.integration.patching.bind`):
 
-For an ODC inference engine the patch releases it at the start of training: its ZeRO-3 module hooks
-are removed (``engine.destroy()``), the Trainer and the Accelerator forget it, and training builds an
-ODC engine on the bare model as if ``evaluate()`` had not run. The parameters stay partitioned
-throughout, so nothing is re-initialised. Patched name: ``transformers.trainer.deepspeed_init`` (the
-Trainer's own reference to ``transformers.integrations.deepspeed.deepspeed_init``).
+* ``train``: first releases the inference-only ODC engine an earlier ``evaluate()`` left behind (below);
+* with an odc balance block, the six methods of :mod:`ds_odc.integration.hf_balance`.
+
+Every other Trainer, and the ``Trainer`` class itself, runs transformers' code. To reach an instance
+at all, one class-level hook is needed (Python offers no other place where every new Trainer passes):
+``Trainer.__init__`` is replaced by a pass-through that runs the original, then binds the instance if,
+and only if, its config asks for ODC. Even that hook is installed only once the process has met an
+odc config (:mod:`ds_odc.integration.hf`, when ``TrainingArguments`` reads one), and only after
+``transformers.trainer`` is imported: a job that never uses ODC keeps ``Trainer`` exactly as it was. A
+method the bound instance needs and its class lacks (another transformers release) fails when that
+Trainer is built, naming the release and the method, never at import.
+
+**evaluate() before train().** ``evaluate()`` before ``train()`` builds an inference-only DeepSpeed
+engine (no optimizer) and keeps it as ``trainer.model_wrapped``. ``train()`` then sees an already
+wrapped model, skips ``accelerator.prepare`` and never builds a training engine: its first backward
+fails with ``'NoneType' object has no attribute 'backward'`` (transformers 5.23.0 / accelerate 1.15.0;
+stage 3 fails the same way, and is left as it is). An ODC Trainer's ``train`` releases that engine
+first: its ZeRO-3 module hooks are removed (``engine.destroy()``), the Trainer and the Accelerator forget
+it, and training builds an ODC engine on the bare model as if ``evaluate()`` had not run. The
+parameters stay partitioned throughout, so nothing is re-initialised.
 """
 from __future__ import annotations
 
@@ -19,12 +32,16 @@ import functools
 from deepspeed.utils import logger
 from ds_odc_import_hooks import when_imported
 
+from ds_odc.config import MARKER_KEY, ODC_STAGE, is_odc_config, parse_options
+from ds_odc.integration.hf_balance import bind_balance
+from ds_odc.integration.patching import PatchSet, bind
 from ds_odc.integration.versions import untested_hf_release
 
 PATCHED_MODULE = "transformers.trainer"
-_originals: dict = {}
+_patches = PatchSet("transformers' Trainer binds ODC behaviour to the Trainers that ask for it")
 
 
+# -- the engine evaluate() left behind ------------------------------------------------------------------
 def _inference_only_odc_engine(engine) -> bool:
     from ds_odc.engine import ODCEngine
     from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
@@ -48,29 +65,63 @@ def release_inference_engine(trainer) -> bool:
     return True
 
 
-def _deepspeed_init(original, trainer, num_training_steps, inference=False):
-    if not inference:
-        release_inference_engine(trainer)
-    return original(trainer, num_training_steps, inference=inference)
+def _train(original, trainer, *args, **kwargs):
+    release_inference_engine(trainer)
+    return original(trainer, *args, **kwargs)
 
 
-def _patch(module) -> None:
-    if _originals:
-        return
-    current = getattr(module, "deepspeed_init", None)
-    if current is None:
-        raise ImportError(f"{PATCHED_MODULE}.deepspeed_init not found: this transformers release cannot be "
-                          "patched for evaluate() before train() on the 'odc' stage")
+# -- which Trainers ask for ODC -------------------------------------------------------------------------
+def odc_options(trainer):
+    """The :class:`~ds_odc.config.ODCConfig` of a Trainer whose ds_config asks for the odc stage, else None."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
+    if not is_odc_config(config):
+        return None
+    zero = config["zero_optimization"]
+    # canonical (stage 3 and the top-level marker) once accelerate has read it; as written otherwise
+    return parse_options(zero.get(MARKER_KEY) if zero.get("stage") == ODC_STAGE else config.get(MARKER_KEY))
+
+
+def bind_if_odc(trainer) -> bool:
+    """Bind the ODC behaviour on ``trainer`` if its config asks for the odc stage; True if it does."""
+    options = odc_options(trainer)
+    if options is None:
+        return False
     import transformers
 
-    warning = untested_hf_release("transformers", transformers.__version__)
+    release = f"transformers {transformers.__version__}"
+    if options.balance is not None:
+        bind_balance(trainer, options.balance, release=release)
+    bind(trainer, {"train": _train}, needed_for="the odc stage", release=release)
+    return True
+
+
+# -- the one class-level hook ----------------------------------------------------------------------------
+def _binding(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        bind_if_odc(self)
+
+    return __init__
+
+
+def _install(module) -> None:
+    trainer_class = getattr(module, "Trainer", None)
+    if not isinstance(trainer_class, type):
+        return  # no Trainer in this release: no Trainer to bind, and nothing else to do
+    warning = untested_hf_release("transformers", __import__("transformers").__version__)
     if warning:
         logger.warning(warning)
-    _originals["deepspeed_init"] = current
-    module.deepspeed_init = functools.wraps(current)(functools.partial(_deepspeed_init, current))
+    _patches.replace(trainer_class, "__init__", _binding, wraps=False)
+
+
+def is_patched() -> bool:
+    return _patches.active
 
 
 def register() -> None:
-    """Patch the Trainer module now if imported, else right after it is (idempotent)."""
-    if not _originals:
-        when_imported(PATCHED_MODULE, _patch)
+    """Install the ``Trainer.__init__`` hook now if transformers' Trainer is imported, else right after it
+    is (idempotent). Called the first time a config asks for the odc stage (:mod:`ds_odc.integration.hf`)."""
+    when_imported(PATCHED_MODULE, _install)

@@ -9,6 +9,8 @@ Two shapes, both used by every patch under ``ds_odc/integration``:
 * :func:`swapped`: a replacement for the duration of one call (``deepspeed.DeepSpeedEngine`` while
   ``deepspeed.initialize`` builds an ODC engine, ZeRO-3's optimizer class while the engine configures
   it, ``deepspeed.comm.barrier`` while a checkpoint is saved), restored on every exit path.
+* :func:`bind`: methods of one *instance* (a Hugging Face ``Trainer`` that asked for ODC), each
+  delegating to its class's own method; the class and every other instance are left alone.
 
 Each name patched here is listed, with the reason, in :mod:`ds_odc.integration.surface`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -79,10 +82,40 @@ def delegating(function: Callable, original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
-    """``owner.name = value`` inside the block, the original restored on every exit; yields the original."""
+    """``owner.name = value`` inside the block, the original restored on every exit; yields the original.
+
+    A name ``owner`` did not hold itself (an instance's method, found on its class) is deleted again on
+    exit rather than copied onto ``owner``: afterwards the lookup is exactly what it was before."""
+    own = getattr(owner, "__dict__", None)
+    held = own is None or name in own
     original = getattr(owner, name)
     setattr(owner, name, value)
     try:
         yield original
     finally:
-        setattr(owner, name, original)
+        if held:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+def bind(instance: Any, behaviours: dict[str, Callable], *, needed_for: str, release: str,
+         also_needs: tuple[str, ...] = ()) -> None:
+    """``instance.<name> = behaviour`` bound to ``instance``, for each name; ``behaviour(original, instance,
+    *args, **kwargs)`` receives the class's own method (:func:`delegating`). Only this instance changes.
+
+    All or nothing: if the class lacks any of the names, or of ``also_needs`` (methods the behaviours call),
+    nothing is bound and :class:`~ds_odc.errors.ODCConfigError` names every missing method, ``release``
+    (e.g. ``"transformers 5.23.0"``) and ``needed_for`` (what asked for the behaviours)."""
+    from ds_odc.errors import ODCConfigError
+
+    cls = type(instance)
+    missing = [name for name in (*behaviours, *also_needs) if not callable(getattr(cls, name, None))]
+    if missing:
+        raise ODCConfigError(f"{needed_for} needs {', '.join(f'{cls.__name__}.{name}' for name in missing)}, which "
+                             f"{release} does not have ({cls.__module__}.{cls.__qualname__}); install a release "
+                             "ds_odc was verified with (ds_odc/integration/versions.py), or leave that option out")
+    for name, behaviour in behaviours.items():
+        original = getattr(cls, name)
+        method = functools.wraps(original)(delegating(behaviour, original))
+        setattr(instance, name, types.MethodType(method, instance))

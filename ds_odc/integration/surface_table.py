@@ -63,7 +63,8 @@ _WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/che
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
 _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/engine.py"
-_BALANCE, _COST = "ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_cost.py"
+_BALANCE, _LOADER, _COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
+                            "ds_odc/integration/hf_cost.py")
 
 _ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
 _PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -260,45 +261,49 @@ SURFACE: tuple[PrivateName, ...] = (
                 "the bound for a silent peer; DeepSpeed's default without it"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
     PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
-                f"{_HF}, ds_odc_autoload.py", "patched: canonicalises an 'odc' config first"),
-    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "config", Kind.INSTANCE_ATTRIBUTE, _HF,
-                "the ds_config canonicalised in place", found_in="__init__"),
-    PrivateName("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "engine", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
-                "tells whether it wraps the released engine", found_in="__init__"),
+                f"{_HF}, ds_odc_autoload.py", "patched: canonicalises a config that mentions 'odc' first (any other "
+                "goes straight to it)"),
+    PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "config", Kind.INSTANCE_ATTRIBUTE,
+                f"{_HF}, {_TRAINER}, {_LOADER}", "the ds_config canonicalised in place; where a Trainer's odc options "
+                "are read", found_in="__init__"),
+    PrivateName("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "engine", Kind.INSTANCE_ATTRIBUTE,
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "the engine (released; stepped; timed)", found_in="__init__"),
     PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
                 "forgets the released inference engine", found_in="__init__"),
     PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
                 f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)", found_in="__init__"),
     PrivateName("accelerate.state", "GradientState", "_set_sync_gradients", Kind.METHOD, _BALANCE,
                 "the accumulation boundary on a slot's last micro-batch only"),
-    PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _BALANCE,
+    PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _LOADER,
                 "the DataLoader settings carried into the rebuilt training loader"),
-    PrivateName("accelerate.data_loader", "DataLoaderShard", "rng_types", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "rng_types", Kind.INSTANCE_ATTRIBUTE, _LOADER,
                 "carried into the rebuilt training loader", found_in="__init__"),
     PrivateName("accelerate.data_loader", "DataLoaderShard", "synchronized_generator", Kind.INSTANCE_ATTRIBUTE,
-                _BALANCE, "carried into the rebuilt training loader", found_in="__init__"),
-    PrivateName("accelerate.data_loader", "DataLoaderShard", "iteration", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+                _LOADER, "carried into the rebuilt training loader", found_in="__init__"),
+    PrivateName("accelerate.data_loader", "DataLoaderShard", "iteration", Kind.INSTANCE_ATTRIBUTE, _LOADER,
                 "carried into the rebuilt training loader", found_in="__init__"),
-    PrivateName("accelerate.data_loader", "BatchSamplerShard", "split_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "split_batches", Kind.INSTANCE_ATTRIBUTE, _LOADER,
                 "replays the sharding for every rank", found_in="__init__"),
-    PrivateName("accelerate.data_loader", "BatchSamplerShard", "even_batches", Kind.INSTANCE_ATTRIBUTE, _BALANCE,
+    PrivateName("accelerate.data_loader", "BatchSamplerShard", "even_batches", Kind.INSTANCE_ATTRIBUTE, _LOADER,
                 "replays the sharding for every rank", found_in="__init__"),
     # -- transformers (optional) -------------------------------------------------------------------------
-    PrivateName("transformers.trainer", None, "deepspeed_init", Kind.MODULE_ATTRIBUTE, _TRAINER,
-                "patched: releases an inference-only ODC engine before training"),
-    PrivateName("transformers.trainer", "Trainer", "deepspeed_init", Kind.CALL_TIME_LOOKUP, _TRAINER,
-                "so the patch reaches training", found_in="_prepare_for_training"),
-    PrivateName("transformers.trainer", "Trainer", "deepspeed", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
-                "forgets the released inference engine", found_in="__init__"),
+    PrivateName("transformers.trainer", "Trainer", "__init__", Kind.METHOD, _TRAINER,
+                "the one class-level hook, once a config asks for odc: binds the Trainers that ask, per instance"),
+    PrivateName("transformers.training_args", "TrainingArguments", "hf_deepspeed_config", Kind.INSTANCE_ATTRIBUTE,
+                f"{_TRAINER}, {_LOADER}", "the ds_config whose odc options bind a Trainer", found_in="__post_init__"),
+    PrivateName("transformers.trainer", "Trainer", "is_deepspeed_enabled", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
+                "only a Trainer on DeepSpeed can ask for odc", found_in="create_accelerator_and_postprocess"),
+    PrivateName("transformers.trainer", "Trainer", "deepspeed", Kind.INSTANCE_ATTRIBUTE, f"{_TRAINER}, {_BALANCE}",
+                "forgets the released inference engine; its utilisation", found_in="__init__"),
     PrivateName("transformers.trainer", "Trainer", "accelerator", Kind.INSTANCE_ATTRIBUTE,
-                f"{_TRAINER}, {_BALANCE}, {_COST}", "where the engine is registered; its gathers",
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "where the engine is registered; a slot's local gathers",
                 found_in="create_accelerator_and_postprocess"),
     PrivateName("transformers.trainer", "Trainer", "get_batch_samples", Kind.METHOD, _BALANCE,
-                "patched: a step's slots and its global loss-token count"),
+                "bound on balance Trainers: a step's slots and its global loss-token count"),
     PrivateName("transformers.trainer", "Trainer", "_get_num_items_in_batch", Kind.METHOD, _BALANCE,
                 "the Trainer's own loss-token count, over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
-                "patched: counts over a slot's micro-batches"),
+                "bound on balance Trainers: counts over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
                 _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world", found_in="_run_epoch"),
 )
@@ -333,6 +338,14 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("partitioned_param_coordinator.assert_ints_same_as_other_ranks gated",
                 "while ODC engines' parameter coordinators exist", "only ODC coordinators skip the trace check; "
                 "every other coordinator's call goes to the original", _PARAMS),
+    ProcessWide("accelerate's HfDeepSpeedConfig.set_stage_and_offload replaced", "once accelerate.utils.deepspeed is "
+                "imported (by the autoload's guard before ds_odc is imported)", "the one reader from which "
+                "transformers and accelerate learn the stage: a config mentioning odc is canonicalised in place (stage "
+                "3 plus the marker); every other config goes straight to accelerate's method", _HF),
+    ProcessWide("transformers' Trainer.__init__ replaced by a pass-through", "once a config asked for odc and "
+                "transformers.trainer is imported (never in a job that does not use ODC)", "the only place every "
+                "Trainer passes through; it binds ODC behaviour on the instances whose config asks for it, and leaves "
+                "the class and every other Trainer exactly as transformers has them", _TRAINER),
     ProcessWide("sys.excepthook chained", "while ODC engines live (restored when the last one closes)",
                 "an uncaught exception reaches the peers as that exception, not as a bare exit",
                 "ds_odc/runtime/crash.py"),

@@ -21,6 +21,10 @@ from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
 from ds_odc.runtime.vocabulary import RoundKind
 
 
+#: The most values :meth:`ODCRuntime.exchange_values` carries in one round.
+VALUES_WIDTH = 8
+
+
 class ODCRuntime:
     """Pull / push / step for one data-parallel group."""
 
@@ -41,8 +45,9 @@ class ODCRuntime:
 
     @staticmethod
     def exchange_width(num_norm_groups: int) -> int:
-        """Values a round must carry: the fence's counts or one squared norm per norm group."""
-        return max(FENCE_WIDTH, num_norm_groups)
+        """Values a round must carry: the fence's counts, one squared norm per norm group, or the values
+        of an exchange between steps."""
+        return max(FENCE_WIDTH, num_norm_groups, VALUES_WIDTH)
 
     @property
     def phase(self) -> Phase:
@@ -170,7 +175,10 @@ class ODCRuntime:
         a step (collective). For the few numbers a framework needs from every rank between steps (the
         Trainer's loss-token count, its logged metrics): a round, so a dead or stuck peer is named within
         ``timeout_s`` instead of leaving the others in a collective until the process group's timeout."""
-        rows = self.protocol.meet(RoundKind.VALUES, what, values.to(torch.float64))
+        values = values.detach().reshape(-1).to("cpu", torch.float64)
+        if values.numel() > VALUES_WIDTH:
+            raise ValueError(f"exchange_values carries at most {VALUES_WIDTH} values, got {values.numel()} ({what})")
+        rows = self.protocol.meet(RoundKind.VALUES, what, values)
         with self.protocol.failing_group(what):
             return self.link.job_rows(rows)
 

@@ -70,7 +70,7 @@ def test_each_step_holds_the_samples_accelerate_would_give_all_ranks(samples, ev
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from ds_odc.integration.hf_balance import BalancedStepSampler
+    from ds_odc.integration.hf_balance_loader import BalancedStepSampler
 
     world, per_device, accumulation = 2, 4, 3
     inner = BatchSampler(SequentialSampler(range(samples)), per_device, drop_last=False)
@@ -104,7 +104,7 @@ def test_auto_padding_is_read_from_what_the_collator_produces():
     from transformers import DataCollatorWithFlattening
 
     from ds_odc.config import BalanceConfig
-    from ds_odc.integration.hf_balance import _decide_padding
+    from ds_odc.integration.hf_balance_loader import _decide_padding
 
     dataset = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7]}]
     length_of = lambda i: len(dataset[i]["input_ids"])  # noqa: E731

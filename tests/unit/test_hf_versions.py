@@ -26,13 +26,18 @@ def test_installed_release_is_the_tested_one(package):
 
 
 def test_patches_are_in_place_once_the_libraries_are_imported():
+    """accelerate's config reader at once; the Trainer hook once a config has asked for the odc stage."""
     pytest.importorskip("transformers")
     import accelerate.utils.deepspeed as acc_ds
+    import transformers.integrations.deepspeed as tf_deepspeed
     import transformers.trainer as tf_trainer
 
-    assert hf.is_patched() and hf_trainer._originals
+    assert hf.is_patched()
     assert acc_ds.HfDeepSpeedConfig.set_stage_and_offload.__code__.co_filename == hf.__file__
-    assert tf_trainer.deepspeed_init.func is hf_trainer._deepspeed_init
+    acc_ds.HfDeepSpeedConfig({"zero_optimization": {"stage": "odc"}})
+    assert hf_trainer.is_patched()
+    assert tf_trainer.Trainer.__init__.__code__.co_filename == hf_trainer.__file__
+    assert tf_trainer.deepspeed_init is tf_deepspeed.deepspeed_init, "no module-level patch of the Trainer's module"
 
 
 def test_hf_config_objects_see_an_odc_config_as_zero3():
