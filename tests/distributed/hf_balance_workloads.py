@@ -193,3 +193,41 @@ def sft_run(stage, output_dir: str, balance: dict | None = None, padding_free: b
                          callbacks=[Record()])
     trainer.train()
     return {"counts": counts, "weights": weights, "logs": logs, "engine": type(trainer.model_wrapped).__name__}
+
+
+def stalled_peer_during_the_step_exchanges(stop_rank: int, output_dir: str, timeout_s: float) -> dict:
+    """A balanced ODC Trainer whose rank ``stop_rank`` stops (SIGSTOP) at the end of step 2, so that its
+    peers next meet it in the balance's exchange of step 3's loss-token count (no training log in between:
+    the Trainer's own loss gather there is a collective of transformers', not ds_odc's). Returns, on a
+    peer, the error ``train()`` raised and how long after the stop."""
+    import signal
+    import time
+
+    import torch.distributed as tdist
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    marker = os.path.join(output_dir, "stopped_at")
+
+    class StopAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and tdist.get_rank() == stop_rank:
+                with open(marker, "w") as out:
+                    out.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    config = balance_ds_config("odc", {"token_cap": 96})
+    config["zero_optimization"]["odc"]["timeout_s"] = timeout_s
+    args = TrainingArguments(output_dir=output_dir, deepspeed=config, use_cpu=True, max_steps=6,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
+                             logging_steps=100, average_tokens_across_devices=True, save_strategy="no",
+                             report_to="none", seed=0, disable_tqdm=True, remove_unused_columns=False)
+    torch.manual_seed(0)
+    trainer = Trainer(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=LongTailedDataset(104, seed=3),
+                      data_collator=pad_collator, callbacks=[StopAtStep2()])
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        raised_at = time.time()
+        with open(marker) as stopped:
+            return {"error": type(err).__name__, "message": str(err), "after_s": raised_at - float(stopped.read())}
+    return {"error": None}

@@ -45,8 +45,9 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_S
                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOSTNAME")
 
 # Run on host i: a private mount + UTS namespace inside the host's network namespace.
-_ENTER = ('mount -t tmpfs -o mode=1777 tmpfs /dev/shm && mount --bind "$ODC_HOSTS_FILE" /etc/hosts '
-          '&& hostname "$ODC_HOSTNAME" && exec "$@"')
+# ODC_SHM_SIZE (e.g. "16k") makes that host's /dev/shm small, as a container's default 64 MB is.
+_ENTER = ('mount -t tmpfs -o "mode=1777${ODC_SHM_SIZE:+,size=$ODC_SHM_SIZE}" tmpfs /dev/shm '
+          '&& mount --bind "$ODC_HOSTS_FILE" /etc/hosts && hostname "$ODC_HOSTNAME" && exec "$@"')
 
 
 def _ip(*args: str, timeout: float = 10.0, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tests.distributed.harness import run_ranks  # noqa: E402
-from tests.distributed.hf_balance_workloads import balanced_trainer_run  # noqa: E402
+from tests.distributed.hf_balance_workloads import balanced_trainer_run, stalled_peer_during_the_step_exchanges  # noqa: E402
 
 STEPS = 8  # an epoch is 7 steps (104 samples, 16 per step, the last step 8): this crosses it
 LB_MINI = {"policy": "lb-mini", "token_cap": 48, "cost_model": {"a": 0.02, "b": 1.0}}
@@ -159,3 +159,16 @@ def test_a_measured_cost_model_plans_alike_everywhere_and_leaves_no_gradient_beh
     for mine, theirs in zip(measured[0]["logs"], runs["zero3"][0]["logs"], strict=True):
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
 
+
+
+def test_a_stalled_rank_is_named_within_timeout_s_in_the_balance_s_exchanges_between_steps(tmp_path):
+    """The balance's exchanges between steps (loss-token count, logged utilisation) are ODC rounds: a peer
+    that stops there is named within ``timeout_s``, not after the process group's timeout (60 s here;
+    10 minutes by default), which a collective gather would wait out."""
+    report = run_ranks(stalled_peer_during_the_step_exchanges, 2, 1, str(tmp_path), 5.0, report=True,
+                       wait_for=[0], timeout=150, pg_timeout_s=60)
+    status, outcome = report.outcomes[0]
+    assert status == "ok", outcome
+    assert outcome["error"] == "ODCTimeoutError" and "rank 1" in outcome["message"], outcome
+    assert "made no progress" in outcome["message"], outcome
+    assert 5.0 <= outcome["after_s"] < 5.0 + 15.0, outcome

@@ -246,6 +246,8 @@ def test_per_rank_memory_window_and_accumulator_over_the_node_optimizer_state_ov
         params, trainable_params = sum(result["trainable"] + result["frozen"]), sum(result["trainable"])
         assert 2 * params / local <= result["window_bytes"] < 2 * params / local * 1.01 + 2 * nodes * 8, result
         assert 12 * trainable_params / world <= result["optimizer_bytes"] < 12 * trainable_params / world * 1.01 + 96
+        before, after = result["store_connections"]  # engine.destroy() closed the failure board's own connection
+        assert before >= 2 and after == before - 1, result["store_connections"]
 
 
 @pytest.mark.parametrize("saved,loaded", [("ckpt_save", "ckpt_load_1x2"), ("ckpt_save_1x2", "ckpt_load")],
@@ -290,6 +292,28 @@ def test_a_rank_killed_on_node1_is_named_by_every_rank_of_both_nodes(hosts, tmp_
         assert report["waited_s"] < 15, (r, report)
         assert report["shm"] == [], (r, report)
     assert {report["host"] for report in reports.values()} == {"node0", "node1"}
+
+
+def test_a_dev_shm_too_small_on_one_node_fails_every_rank_of_both_nodes_with_that_node_s_error(hosts, tmp_path):
+    """Node 1's /dev/shm holds 16 KiB: its ranks' window allocation is refused there (naming the directory
+    and the bytes needed), and node 0's ranks, whose own allocation succeeded, raise the same refusal
+    naming node 1's rank and host at initialize, instead of losing their peers at the first step."""
+    out_dir = tmp_path / "small_shm"
+    out_dir.mkdir()
+    port = str(next(_ports))
+    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", "small_shm",
+              str(out_dir)] for i in range(2)]
+    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S, extra_env=[None, {"ODC_SHM_SIZE": "16k"}])
+    logs = _logs(results)
+    assert not any(result.timed_out for result in results), logs
+    reports = {r: torch.load(out_dir / f"small_shm_rank{r}.pt") for r in range(4)}
+    for r, report in reports.items():
+        assert report["error"] == "ODCConfigError", (r, report, logs)
+        assert "zero_optimization.odc.shm_dir='/dev/shm'" in report["message"] and "node1" in report["message"], \
+            (r, report)
+        assert report["shm"] == [], (r, report)  # nothing left on either node
+    for r in (0, 1):
+        assert reports[r]["host"] == "node0" and "on node1 failed while allocating" in reports[r]["message"], reports[r]
 
 
 def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):

@@ -149,6 +149,8 @@ def cases(names, out_dir):
             result = checkpoint_workloads.load_and_continue(ckpt_dir, tag)
         elif name == "kill":
             killed_on_node1(out_dir)  # ends the process
+        elif name == "small_shm":
+            result = initialize_outcome()
         else:
             workload, args = CASES[name]
             result = getattr(workloads, workload)(*args())
@@ -175,13 +177,40 @@ def memory_per_rank():
     masters = engine.optimizer.fp32_partitioned_groups_flat
     state = sum(t.numel() * t.element_size() for s in engine.optimizer.optimizer.state.values()
                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    result = {"window_bytes": window.numel() * window.element_size(),
+    connections_before = _store_connections()
+    engine.destroy()
+    result = {"store_connections": (connections_before, _store_connections()),
+              "window_bytes": window.numel() * window.element_size(),
               "accumulator_bytes": accumulator.numel() * accumulator.element_size(),
               "optimizer_bytes": sum(m.numel() * m.element_size() for m in masters) + state,
               "trainable": [p.ds_numel for p in engine.module.parameters() if p.requires_grad],
               "frozen": [p.ds_numel for p in engine.module.parameters() if not p.requires_grad],
               "world": torch.distributed.get_world_size(), "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
-    engine.destroy()
+    return result
+
+
+def _store_connections() -> int:
+    """This process's TCP connections to the job's store (the process group's, and ODC's failure board's)."""
+    import psutil
+
+    port = int(os.environ["MASTER_PORT"])
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.raddr.port == port)
+
+
+def initialize_outcome():
+    """What ``deepspeed.initialize`` of an ODC engine does on this rank: ``{"error", "message", "host"}``
+    (no error: the engine is destroyed again). The model's windows need ~100 KB per rank."""
+    import deepspeed
+
+    from tests.distributed.workloads import ds_config, make_model
+
+    result = {"error": None, "message": "", "host": socket.gethostname()}
+    try:
+        engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=ds_config("odc"))
+        engine.destroy()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result.update(error=type(err).__name__, message=str(err))
+    result["shm"] = sorted(os.listdir(SHM))
     return result
 
 
