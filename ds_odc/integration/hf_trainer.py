@@ -43,10 +43,9 @@ _patches = PatchSet("transformers' Trainer binds ODC behaviour to the Trainers t
 
 # -- the engine evaluate() left behind ------------------------------------------------------------------
 def _inference_only_odc_engine(engine) -> bool:
-    from ds_odc.engine import ODCEngine
-    from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
+    from ds_odc.integration.engine import ODCEngine
 
-    return isinstance(engine, ODCEngine) and not isinstance(engine.optimizer, ODCStage3Optimizer)
+    return isinstance(engine, ODCEngine) and not engine.odc_trains
 
 
 def release_inference_engine(trainer) -> bool:

@@ -73,7 +73,7 @@ def _odc_initialize(original, *args, **kwargs):
     config, from_args = _resolve_config(bound)
     if canonicalize(config) is None:
         return original(*args, **kwargs)
-    from ds_odc.engine import ODCEngine
+    from ds_odc.integration.engine import ODCEngine
 
     _same_model_everywhere(bound)
     bound.arguments["config"] = config

@@ -62,7 +62,7 @@ _OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zer
 _WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/checkpoints.py"
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
 _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
-_HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/engine.py"
+_HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
 _BALANCE, _LOADER, _COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
                             "ds_odc/integration/hf_cost.py")
 

@@ -113,10 +113,10 @@ def overflow_on_one_rank(stage):
     DeepSpeed's CPU accelerator refuses fp16 engines) with a non-finite gradient on rank 0 only:
     every rank must skip the same step, then train on. Returns, per step, whether this rank saw an
     overflow and whether its parameters moved, and the collectives its steps issued."""
-    from tests.distributed import workloads
+    from tests.distributed import sync_workloads
     engine = _engine(stage, clip=0.0)
     engine.optimizer.dtype = torch.float16
-    counter = workloads._counter
+    counter = sync_workloads._counter
     seen = []
     for step in range(2):
         for index in range(MICRO_BATCHES):

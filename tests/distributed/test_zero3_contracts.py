@@ -72,7 +72,7 @@ def test_writes_through_collective_apis_are_seen_by_the_next_forward_and_step():
 
 
 def test_a_non_finite_gradient_on_one_rank_makes_every_rank_skip_that_step_without_a_collective():
-    from tests.distributed.workloads import install_collective_counter
+    from tests.distributed.sync_workloads import install_collective_counter
     odc = run_ranks(contracts.overflow_on_one_rank, 2, "odc", setup=install_collective_counter)
     for rank in range(2):
         assert [s["overflow"] for s in odc[rank]] == [True, False], odc

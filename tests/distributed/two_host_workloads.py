@@ -129,17 +129,17 @@ def cases(names, out_dir):
     import torch
     import torch.distributed as tdist
 
-    from tests.distributed import checkpoint_workloads, workloads
+    from tests.distributed import checkpoint_workloads, sync_workloads, workloads
 
     torch.set_num_threads(1)
     counting = "collectives" in names.split(",")
     if counting:
-        workloads.install_collective_counter()  # before the process group, as the single-node test does
+        sync_workloads.install_collective_counter()  # before the process group, as the single-node test does
     deepspeed.init_distributed(dist_backend="gloo")
     rank = tdist.get_rank()
     for name in names.split(","):
         if name == "collectives":
-            result = [workloads.count_collectives("odc", layers, micro) for layers, micro in ((1, 1), (2, 1), (1, 2))]
+            result = [sync_workloads.count_collectives("odc", layers, micro) for layers, micro in ((1, 1), (2, 1), (1, 2))]
         elif name == "memory":
             result = memory_per_rank()
         elif name.startswith("ckpt_save:"):

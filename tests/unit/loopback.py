@@ -14,6 +14,7 @@ import torch
 from ds_odc.comm.control import ControlBlock, State, block_words
 from ds_odc.comm.ordering import memory_ordering
 from ds_odc.comm.transport import Transport, WindowSpec
+from ds_odc.runtime import MicroBatchLedger, ODCRuntime, StepUpdate, WindowLayout
 from ds_odc.runtime.vocabulary import PROTOCOL_WORDING
 
 
@@ -85,3 +86,30 @@ class LoopbackTransport(Transport):
 
     def close(self) -> None:
         self._close_plane()
+
+
+class Update(StepUpdate):
+    """One norm group; the update adds 1 to the window (so pulls can tell steps apart)."""
+
+    def __init__(self, transport, fail_with=None, squares=None):
+        self.transport = transport
+        self.fail_with = fail_with
+        self.squares = squares
+        self.norms = None
+
+    def squared_norms(self):
+        if self.squares is not None:
+            return torch.tensor([self.squares], dtype=torch.float64)
+        return self.transport.local_grad_accumulator().double().square().sum().reshape(1)
+
+    def apply(self, norms):
+        self.norms = norms
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.transport.local_param_window().add_(1.0)
+
+
+def runtime_for(transport, numel=16):
+    layout = WindowLayout()
+    layout.add_trainable(0, numel * transport.world_size, numel)
+    return ODCRuntime(transport, layout, MicroBatchLedger())

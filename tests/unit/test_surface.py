@@ -83,7 +83,7 @@ def test_every_missing_name_is_listed_in_one_error(monkeypatch):
 
 def test_registering_ds_odc_fails_on_a_missing_name(monkeypatch):
     monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_configure_zero_optimizer")
-    expected = r"DeepSpeedEngine\._configure_zero_optimizer: needed by ds_odc/engine\.py"
+    expected = r"DeepSpeedEngine\._configure_zero_optimizer: needed by ds_odc/integration/engine\.py"
     with pytest.raises(ImportError, match=expected):
         register()
 

@@ -1,0 +1,223 @@
+"""``ODCEngine``: a ``DeepSpeedEngine`` whose ZeRO-3 runs on one-sided pulls and pushes.
+
+Returned by ``deepspeed.initialize`` for a config with ``"stage": "odc"``. Internally the stage is 3
+(``engine.zero_optimization_stage() == 3``), so every ZeRO-3 path keeps working. What the engine adds
+is the bookkeeping that lets ranks run *different* numbers of micro-batches per step:
+
+* every backward records one micro-batch and the normalisation rule it asks for (see
+  :mod:`ds_odc.runtime.ledger`); ``engine.backward(loss, loss_tokens=n)`` or
+  ``engine.set_loss_tokens(n)`` selects per-token normalisation;
+* the optimizer step divides the globally summed gradient once, by the global count (for the mean
+  rule, DeepSpeed's per-micro-batch ``1 / gradient_accumulation_steps`` is kept and the step divides
+  by ``global micro-batches / gradient_accumulation_steps``).
+
+One class; each override of a private ``DeepSpeedEngine`` method is a few lines that hand the work to
+``ds_odc.integration`` (the optimizer, checkpoints, metrics), and every private name it relies on is
+listed in :mod:`ds_odc.integration.surface`:
+
+* ``_configure_zero_optimizer`` builds :class:`~ds_odc.integration.zero3_optimizer.ODCStage3Optimizer`
+  where ZeRO-3 builds its optimizer (DeepSpeed imports the class at call time from its module, so
+  swapping that module attribute for the call picks ours with DeepSpeed's own ~45 arguments);
+* ``_backward_prologue_per_tensor`` / ``_backward_post_hook``: the torch-style ``loss.backward()``
+  path: no division by ``gradient_accumulation_steps`` for per-token micro-batches, one ledger entry;
+* ``_take_model_step``: runs inside the optimizer's step context (its ``zero_grad`` after the step is
+  local), and ``global_samples`` advances by the *global* number of micro-batches;
+* ``_backward_epilogue``: pushes the last gradient bucket inside ``coalesce_grad_reduction()`` too, and
+  marks DeepSpeed's own ``allreduce_gradients`` call, so that only a caller's explicit one is a fence.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (imports the stage-3 class itself)
+import torch
+import deepspeed.runtime.zero.stage3 as ds_stage3
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger
+
+from ds_odc.config import MARKER_KEY, ODCConfig, parse_options
+from ds_odc.errors import ODCConfigError
+from ds_odc.integration import checkpoints
+from ds_odc.integration.patching import swapped
+from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
+from ds_odc.runtime import MicroBatchLedger, Normalisation, Phase, StepTotals
+
+
+@dataclass(frozen=True)
+class _BackwardRule:
+    rule: Normalisation
+    tokens: int = 0
+
+    @property
+    def skips_gas_division(self) -> bool:
+        """Per-token micro-batches are not divided by ``gradient_accumulation_steps``; the others keep
+        DeepSpeed's division (MEAN corrects it at the step, CALLER is the caller's choice)."""
+        return self.rule is Normalisation.TOKEN
+
+
+@dataclass
+class _EngineState:
+    """Everything the ODC engine keeps besides DeepSpeed's own state (one attribute, ``_odc``)."""
+
+    options: ODCConfig
+    ledger: MicroBatchLedger
+    pending_tokens: Optional[int] = None  # set_loss_tokens() before the next backward
+    in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
+
+
+class ODCEngine(DeepSpeedEngine):
+    """See the module docstring. Build it with ``deepspeed.initialize``, not directly."""
+
+    _odc: Optional[_EngineState] = None
+    odc_metrics = None
+    """The :class:`~ds_odc.metrics.StepRecorder` of this rank (None with ``odc.metrics: false``)."""
+
+    def __init__(self, *args, **kwargs):
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            # DeepSpeed configures the scheduler, checkpointing, ... after the ZeRO optimizer: a failure
+            # there must not leave this process holding the windows it allocated (nor peers' mappings)
+            if isinstance(getattr(self, "optimizer", None), ODCStage3Optimizer):
+                self.optimizer.destroy()
+            raise
+        if self._odc is not None and self._odc.options.metrics and self.odc_trains:
+            from ds_odc.integration.metrics_hooks import attach_recorder
+            attach_recorder(self, self._odc.options.metrics_log_interval)
+
+    @property
+    def odc_trains(self) -> bool:
+        """Whether this engine trains on ODC (an engine without an optimizer is inference-only)."""
+        return isinstance(self.optimizer, ODCStage3Optimizer)
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def odc_options(self) -> Optional[ODCConfig]:
+        """The parsed ``zero_optimization.odc`` options."""
+        return self._odc.options if self._odc is not None else None
+
+    def set_loss_tokens(self, loss_tokens: int) -> None:
+        """Declare the number of loss tokens of the next backward's micro-batch (per-token
+        normalisation; the loss passed to backward must then be the *sum* over those tokens)."""
+        if int(loss_tokens) != loss_tokens or loss_tokens < 0:
+            raise ValueError(f"loss_tokens must be a non-negative integer, got {loss_tokens!r}")
+        self._odc.pending_tokens = int(loss_tokens)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
+        """``DeepSpeedEngine.backward`` plus an optional ``loss_tokens`` (per-token normalisation).
+
+        A backward that fails before any gradient reached ZeRO-3's buckets may be retried; one that
+        fails after has pushed, or would push again, part of its gradients: it fails the ODC group.
+        Returns what DeepSpeed returns: the loss as scaled for accumulation."""
+        if loss_tokens is not None:
+            self.set_loss_tokens(loss_tokens)
+        decided = self._odc_rule_for_backward(scale_wrt_gas)
+        optimizer = self.optimizer
+        seen = optimizer.odc_gradients_seen
+        try:
+            result = super().backward(loss, retain_graph=retain_graph,
+                                      scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
+        except BaseException as err:
+            if optimizer.odc_gradients_seen != seen:
+                optimizer.odc.fail(err, "backward (part of its gradients already reached the owners)")
+            raise
+        optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
+        return result
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's, with a crash-safe ``latest`` (:mod:`ds_odc.integration.checkpoints`)."""
+        return checkpoints.save_checkpoint(self, super().save_checkpoint, save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        """DeepSpeed's, checked against this job's world size, completed after a universal load, and
+        re-published to every rank (:mod:`ds_odc.integration.checkpoints`)."""
+        return checkpoints.load_checkpoint(self, super().load_checkpoint, load_dir, tag, *args, **kwargs)
+
+    def odc_exchange(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``values`` (1-D, at most :data:`~ds_odc.runtime.core.VALUES_WIDTH`), one float64 row
+        per rank, between steps. Collective: every rank calls it at the same point (as a ``gather``), but it
+        is an ODC round, so a rank that died or stalls is named within ``timeout_s`` instead of leaving its
+        peers in a collective until the process group's timeout. ``what`` names it in errors."""
+        return self.optimizer.odc.exchange_values(values, what)
+
+    @property
+    def odc_phase(self) -> Phase:
+        """The step protocol's phase: IDLE, ACCUMULATING (gradients pushed since the last step), one
+        of the step's phases, FAILED (the group failed: the engine refuses to continue) or CLOSED."""
+        return self.optimizer.odc.phase
+
+    @property
+    def odc_last_step(self) -> Optional[StepTotals]:
+        """Global micro-batch and token counts of the last optimizer step."""
+        return self.optimizer.odc.last_totals
+
+    # -- normalisation bookkeeping -----------------------------------------------------------------
+    def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> _BackwardRule:
+        state = self._odc
+        tokens = state.pending_tokens
+        if not peek:
+            state.pending_tokens = None
+        if tokens is not None:
+            return _BackwardRule(Normalisation.TOKEN, tokens)
+        if state.options.loss_normalization == "token":
+            raise ODCConfigError("zero_optimization.odc.loss_normalization='token': this backward has no token "
+                                 "count; call engine.backward(loss, loss_tokens=n) or engine.set_loss_tokens(n)")
+        if self.managed_gradient_accumulation() and scale_wrt_gas:
+            return _BackwardRule(Normalisation.MEAN)
+        return _BackwardRule(Normalisation.CALLER)
+
+    # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
+    def _configure_zero_optimizer(self, optimizer):
+        self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)), MicroBatchLedger())
+        factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options, odc_ledger=self._odc.ledger)
+        with swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", factory):
+            built = super()._configure_zero_optimizer(optimizer)
+        if not isinstance(built, ODCStage3Optimizer):
+            logger.warning("odc stage: engine without an optimizer (inference only); parameter gathers stay "
+                           "ZeRO-3 collectives for this engine")
+        return built
+
+    def _backward_prologue_per_tensor(self, grad):
+        # Inside engine.backward, which decided the rule (and consumed the pending token count) and
+        # scaled the loss itself, DeepSpeed's prologue leaves the gradient alone.
+        if grad is not None and not self._running_engine_backward and \
+                self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).skips_gas_division:
+            return grad
+        return super()._backward_prologue_per_tensor(grad)
+
+    def _backward_post_hook(self):
+        if not self._running_engine_backward and self.odc_trains:  # a torch-style loss.backward()
+            decided = self._odc_rule_for_backward(scale_wrt_gas=True)
+            self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
+        return super()._backward_post_hook()
+
+    def _take_model_step(self, lr_kwargs):
+        if not self.odc_trains:
+            return super()._take_model_step(lr_kwargs)
+        samples_before = self.global_samples
+        with self.optimizer.step_context() as step:
+            super()._take_model_step(lr_kwargs)
+        if step.totals is not None:
+            self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * step.totals.total_micro_batches
+
+    def _backward_epilogue(self):
+        self._odc.in_backward_epilogue = True
+        try:
+            if self.inside_no_sync_ctxt and self.odc_trains:
+                # engine.coalesce_grad_reduction() skips the epilogue that pushes the last gradient
+                # bucket; ODC does not coalesce (see ODCStage3Optimizer.reduce_ready_partitions_and_remove_grads)
+                self.optimizer.independent_gradient_partition_epilogue()
+            return super()._backward_epilogue()
+        finally:
+            self._odc.in_backward_epilogue = False
+
+    def allreduce_gradients(self, *args, **kwargs):
+        """DeepSpeed's; called by the script itself (not by backward), it also fences gradients, so
+        the optimizer's ``averaged_gradients`` hold every rank's micro-batches, as after ZeRO-3's."""
+        result = super().allreduce_gradients(*args, **kwargs)
+        if not self._odc.in_backward_epilogue and self.odc_trains:
+            self.optimizer._odc_fence_for_read("engine.allreduce_gradients()")
+        return result
