@@ -20,8 +20,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import time
 
+from ds_odc.comm.backoff import wait_until
 from ds_odc.errors import ODCTimeoutError
 
 #: Byte whose lock means "this rank is alive"; stripes use bytes 0, 1, 2, ... well below it.
@@ -73,15 +73,10 @@ class LockFile:
         """Take stripe ``stripe`` exclusively; raise ODCTimeoutError after ``timeout_s``."""
         if self._try(stripe):
             return
-        deadline = time.monotonic() + self.timeout_s
-        pause = 20e-6
-        while not self._try(stripe):
-            if time.monotonic() > deadline:
-                raise ODCTimeoutError(
-                    f"push to rank {self.owner}: accumulator stripe {stripe} stayed locked for more than "
-                    f"{self.timeout_s:.0f}s (a peer holding it is stopped or stuck)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not wait_until(lambda: self._try(stripe), self.timeout_s, first_s=20e-6):
+            raise ODCTimeoutError(
+                f"push to rank {self.owner}: accumulator stripe {stripe} stayed locked for more than "
+                f"{self.timeout_s:.0f}s (a peer holding it is stopped or stuck)")
 
     def release(self, stripe: int) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, stripe)

@@ -22,8 +22,8 @@ listed in :mod:`ds_odc.integration.surface`:
   path: no division by ``gradient_accumulation_steps`` for per-token micro-batches, one ledger entry;
 * ``_take_model_step``: runs inside the optimizer's step context (its ``zero_grad`` after the step is
   local), and ``global_samples`` advances by the *global* number of micro-batches;
-* ``_backward_epilogue``: pushes the last gradient bucket inside ``coalesce_grad_reduction()`` too, and
-  marks DeepSpeed's own ``allreduce_gradients`` call, so that only a caller's explicit one is a fence.
+* ``_backward_epilogue``: marks DeepSpeed's own ``allreduce_gradients`` call, so that only a caller's
+  explicit one is a fence.
 """
 from __future__ import annotations
 
@@ -206,10 +206,6 @@ class ODCEngine(DeepSpeedEngine):
     def _backward_epilogue(self):
         self._odc.in_backward_epilogue = True
         try:
-            if self.inside_no_sync_ctxt and self.odc_trains:
-                # engine.coalesce_grad_reduction() skips the epilogue that pushes the last gradient
-                # bucket; ODC does not coalesce (see ODCStage3Optimizer.reduce_ready_partitions_and_remove_grads)
-                self.optimizer.independent_gradient_partition_epilogue()
             return super()._backward_epilogue()
         finally:
             self._odc.in_backward_epilogue = False

@@ -114,17 +114,30 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # -- backward: push instead of reduce-scatter -------------------------------------------------
     def reduce_ready_partitions_and_remove_grads(self, param):
-        """ZeRO-3's, without its coalescing: every backward's gradients are bucketed and pushed at once,
-        inside ``engine.coalesce_grad_reduction()`` too. There is no collective to save on ODC, and a
-        push adds into the fp32 accumulator, where ZeRO-3's coalescing would first sum the backward
-        calls in the compute dtype (bf16) on the parameter (1e-3 away after one Adam step)."""
+        """A gradient is ready: bucketed and pushed, as ZeRO-3 buckets and reduce-scatters it.
+
+        Inside ``engine.coalesce_grad_reduction()`` ZeRO-3 leaves the gradient on the parameter, so that
+        the backward calls of the block are summed there, in the compute dtype (bf16), and reduced once at
+        the block's exit. ODC has no collective to save, and a push adds into the fp32 accumulator: it
+        pushes each gradient as it comes, unbucketed (a leaf module's hook may run several times in one
+        backward; each time it pushes what autograd accumulated since), so that the block changes nothing
+        (summing in bf16 first was 1e-3 away after one Adam step)."""
         self.odc_gradients_seen += 1
         self.odc.transport.heartbeat()
+        if self._coalesce_grad_reduction:
+            if param.grad is not None and param.grad.numel():  # empty: a leaf hook's zero-fill of a released parameter
+                self.odc.push(param.ds_id, param.grad.reshape(-1))
+            param.grad = None
+            return None
         return self.reduce_independent_p_g_buckets_and_remove_grads(param)
 
     @torch.no_grad()
     def _odc_push_bucket(self, communication_data_type: torch.dtype) -> None:
         bucket = self.ipg_buckets[communication_data_type]
+        if len({p.ds_id for p in bucket.params}) != len(bucket.params):  # ZeRO-3 asserts the same
+            twice = sorted({p.ds_id for p in bucket.params if bucket.params.count(p) > 1})
+            raise RuntimeError(f"parameters {twice} reached ZeRO-3's gradient bucket twice in one backward (a ZeRO-3 "
+                               "leaf module run more than once per forward?): their gradients cannot be pushed once each")
         # On GPU, push on ZeRO-3's reduce side stream, where its reduce-scatter ran: the bucket was filled
         # on that stream, its next fill is ordered after these pushes, and compute does not wait for them.
         stream = self.reduce_and_partition_stream  # None on CPU
