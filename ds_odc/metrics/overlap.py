@@ -74,7 +74,7 @@ def subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> List[I
 
 
 def length(intervals: Iterable[Interval]) -> float:
-    return sum(end - start for start, end in merge(intervals))
+    return sum((end - start for start, end in merge(intervals)), 0.0)
 
 
 def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> List[Interval]:
