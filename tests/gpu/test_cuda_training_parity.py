@@ -41,23 +41,23 @@ CASES = [
     ("4-bf16-uneven", 4, (1, 2, 2, 3), True, "managed"),
     ("4-bf16-token-uneven", 4, (3, 1, 2, 2), True, "token"),
 ]
-_references: dict = {}
 
 
-def one_rank_reference(key):
-    """Every case's one-rank run, computed once, in one process (engines one after the other)."""
-    if not _references:
-        cases = [(case_id, union(split(counts)), bf16, "fp64", mode) for case_id, _, counts, bf16, mode in CASES]
-        _references.update(run_ranks(train_references, 1, CASE.name, cases, STEPS, env=rank_env(CASE.name, 1),
-                                     timeout=400)[0])
-    return _references[key]
+@pytest.fixture(scope="module")
+def one_rank_references(request):
+    """The one-rank run of every case this session selected, in one process (engines one after the
+    other): one process start instead of one per case."""
+    selected = {item.name for item in request.session.items}
+    cases = [(case_id, union(split(counts)), bf16, "fp64", mode) for case_id, _, counts, bf16, mode in CASES
+             if f"test_ranks_sharing_the_device_equal_one_rank[{case_id}]" in selected]
+    return run_ranks(train_references, 1, CASE.name, cases, STEPS, env=rank_env(CASE.name, 1), timeout=400)[0]
 
 
 @pytest.mark.parametrize("case_id,world,counts,bf16,mode", CASES, ids=[c[0] for c in CASES])
-def test_ranks_sharing_the_device_equal_one_rank(case_id, world, counts, bf16, mode):
+def test_ranks_sharing_the_device_equal_one_rank(case_id, world, counts, bf16, mode, one_rank_references):
     results = run_ranks(train_schedule, world, CASE.name, split(counts), STEPS, bf16, "fp64", mode,
                         env=rank_env(CASE.name, world), timeout=300)
-    expected = one_rank_reference(case_id)
+    expected = one_rank_references[case_id]
     dtypes = ("torch.bfloat16" if bf16 else "torch.float32", "torch.float64")
     for rank, result in enumerate(results):
         assert result["transport"] == CASE.name and result["window_device"].startswith(CASE.device_type), result
@@ -79,9 +79,8 @@ def test_fp32_training_equals_plain_pytorch_single_process(counts):
 def test_one_rank_on_nccl_equals_one_rank_on_gloo():
     """NCCL cannot put two ranks on one GPU, so one rank is the NCCL run a single GPU allows: the engine
     starts and trains on an NCCL process group exactly as on gloo."""
-    schedule = split((2, 2))
-    nccl = run_ranks(train_schedule, 1, CASE.name, [union(schedule)], STEPS, False, "fp64", "managed",
-                     env=rank_env(CASE.name, 1), backend="nccl")[0]
-    assert nccl["backend"] == "nccl" and nccl["transport"] == CASE.name, nccl
-    diff = worst_rel_diff(nccl["params"], one_rank_reference("2-fp32-equal"))
+    runs = {backend: run_ranks(train_schedule, 1, CASE.name, [union(split((2, 2)))], STEPS, False, "fp64", "managed",
+                               env=rank_env(CASE.name, 1), backend=backend)[0] for backend in ("nccl", "gloo")}
+    assert runs["nccl"]["backend"] == "nccl" and runs["nccl"]["transport"] == CASE.name, runs["nccl"]
+    diff = worst_rel_diff(runs["nccl"]["params"], runs["gloo"]["params"])
     assert diff <= SAME_DEVICE_TOL, f"NCCL differs from gloo by {diff:.2e}"
