@@ -27,8 +27,9 @@ How a rank starts (:func:`start_method`):
   set its environment: ``fn`` and ``setup`` travel as (module, name) and ``args`` as pickled bytes,
   so not even the workload module (which imports DeepSpeed) is loaded before ``DS_ACCELERATOR`` is set.
 
-Nothing here touches CUDA in the parent or in the forkserver: the preloads import no CUDA state
-(``tests/distributed/test_harness_accelerator.py`` checks it), and a CUDA rank initialises CUDA itself.
+Nothing here touches CUDA in the parent or in the forkserver: the forkserver's preloads leave the CUDA
+driver alone (``forkserver_setup``; ``tests/distributed/test_harness_accelerator.py`` checks it), so its
+ranks are no "bad forks", and a CUDA rank initialises CUDA itself.
 """
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def _tail(path: str, lines: int = 25) -> str:
 
 #: What the forkserver imports once; ranks forked from it start with these modules loaded. Besides the
 #: obvious ones, building the first optimizer imports torch._dynamo (torch.optim's compile guard) and
-#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded.
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded. First of all,
+#: forkserver_setup keeps those imports from initialising CUDA (see there).
+PRELOAD = ["tests.distributed.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.distributed.workloads"]
 
 

@@ -37,10 +37,20 @@ def test_a_spawned_rank_gets_the_accelerator_its_env_names():
     assert seen["backend"] == "gloo"
 
 
+def driverless_cuda_build() -> bool:
+    """A CUDA build of torch on a machine without the NVIDIA driver: NVML cannot answer, so torch's
+    availability check falls back to ``cudaGetDeviceCount``, which marks forks bad whatever the preloads
+    do. Nothing can use CUDA on such a machine, so there a bad fork cannot matter (and is not asserted)."""
+    import torch
+
+    return torch.version.cuda is not None and torch.cuda._device_count_nvml() < 0
+
+
 def test_cpu_ranks_still_come_from_the_preloaded_forkserver_and_are_no_bad_forks():
     assert start_method(None, "gloo") == start_method({"DS_ACCELERATOR": "cpu"}, "gloo") == "forkserver"
     for seen in run_ranks(accelerator_seen, 2):
-        assert seen == {"accelerator": "cpu", "backend": "gloo", "env": "cpu", "bad_fork": False}, seen
+        assert seen["accelerator"] == "cpu" and seen["backend"] == "gloo" and seen["env"] == "cpu", seen
+        assert not seen["bad_fork"] or driverless_cuda_build(), seen
 
 
 def test_nccl_runs_spawn_and_an_unknown_backend_is_refused_before_anything_starts():
@@ -57,8 +67,10 @@ def test_a_function_that_cannot_travel_by_name_is_refused():
         run_ranks(local, 1)
 
 
-#: Imports the forkserver's preloads with every torch.cuda entry point that could initialise CUDA
-#: replaced by a recorder; prints what was called, from where, and torch.cuda.is_initialized().
+#: Imports the forkserver's preloads, in order, with every torch.cuda entry point that could initialise the
+#: CUDA driver replaced by a recorder that notes whether the call was harmless (torch answers availability
+#: from NVML under PYTORCH_NVML_BASED_CUDA_CHECK=1); then forks, as the forkserver does, and asks the child
+#: whether torch considers it a bad fork. Prints the findings.
 _PRELOAD_PROBE = r"""
 import json, os, sys, traceback
 import torch
@@ -67,11 +79,13 @@ calls = []
 NAMES = ("init", "_lazy_init", "is_available", "device_count", "current_device", "set_device",
          "get_device_properties", "get_device_name", "get_device_capability", "synchronize", "mem_get_info",
          "is_bf16_supported", "current_stream", "default_stream")
+HARMLESS_UNDER_NVML = ("is_available", "device_count")
 def recorder(name, original):
     def wrapped(*args, **kwargs):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "importlib" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-        calls.append(f"torch.cuda.{name} from {where}")
+        nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+        calls.append({"call": f"torch.cuda.{name} from {where}", "harmless": nvml and name in HARMLESS_UNDER_NVML})
         return original(*args, **kwargs)
     return wrapped
 for name in NAMES:
@@ -79,18 +93,27 @@ for name in NAMES:
         setattr(torch.cuda, name, recorder(name, getattr(torch.cuda, name)))
 for module in json.loads(sys.argv[1]):
     __import__(module)
-print("PROBE " + json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized()}))
+child = os.fork()
+if child == 0:
+    os._exit(10 if torch.cuda._is_in_bad_fork() else 0)
+_, status = os.waitpid(child, 0)
+print("PROBE " + json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(),
+                             "child_bad_fork": os.waitstatus_to_exitcode(status) == 10}))
 """
 
 
-def test_the_forkserver_preloads_never_touch_cuda():
-    """What the forkserver imports before it forks ranks must leave CUDA alone: a CUDA context (or even a
-    driver query) in the forkserver would be inherited by every forked rank, which can then never use
-    CUDA. On a GPU machine this also shows that the imports do not initialise it."""
+def test_the_forkserver_preloads_never_initialise_cuda():
+    """What the forkserver imports before it forks ranks must leave the CUDA driver alone: a driver
+    initialised there (even by a mere ``cudaGetDeviceCount``) makes every forked rank a bad fork that can
+    never use CUDA. With a CPU build of torch this checks the rule (every CUDA query made while importing
+    goes through NVML); with a CUDA build, on a GPU machine, also the outcome (no context, no bad fork)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)  # the forkserver's own first preload must set it
     done = subprocess.run([sys.executable, "-c", _PRELOAD_PROBE, json.dumps(PRELOAD)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     line = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")][-1]
     probe = json.loads(line[len("PROBE "):])
-    assert probe == {"calls": [], "initialized": False}, probe
+    harmful = [call["call"] for call in probe["calls"] if not call["harmless"]]
+    assert harmful == [] and not probe["initialized"], probe
+    assert not probe["child_bad_fork"] or driverless_cuda_build(), probe
