@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     python = sys.executable
     machine = environment.describe(python)
     ctx = items.Context(root=ROOT, work=work, python=python, wheels=os.path.abspath(args.wheels) if args.wheels else "",
-                        cpu_smoke=args.cpu_smoke, gpus=machine.get("gpus", 0), sanitizer=machine["compute_sanitizer"])
+                        cpu_smoke=args.cpu_smoke, gpus=machine.get("gpus", 0), sanitizer=machine["compute_sanitizer"],
+                        cuda_home=machine["cuda_home"]["set"])
     mode = "cpu-smoke (shm)" if args.cpu_smoke else "gpu (cuda_ipc)"
     header = {"mode": mode, "started": started, "command": " ".join([os.path.basename(python), *sys.argv]),
               "environment": machine}

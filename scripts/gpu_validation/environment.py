@@ -5,6 +5,7 @@ orchestrating process never imports torch or touches CUDA itself.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -45,6 +46,32 @@ def sanitizer_path():
     return None
 
 
+def _has_toolkit(home: str) -> bool:
+    return os.path.isfile(os.path.join(home, "include", "cuda_runtime.h"))
+
+
+def cuda_home() -> dict:
+    """The CUDA toolkit the JIT builds should use. torch takes ``CUDA_HOME`` (or ``CUDA_PATH``), else the
+    folder above ``which nvcc``, else /usr/local/cuda. Where that guess has no ``include/cuda_runtime.h``
+    (an ``nvcc`` wrapper script in /usr/local/bin, as on the machine this kit was written on: torch then
+    compiles against /usr/local/include and fails), the items are given the toolkit that has it, and
+    results.json says so."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):
+            return {"set": None, "how": f"${variable}={os.environ[variable]} (the environment's)"}
+    nvcc = shutil.which("nvcc")
+    guess = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    if _has_toolkit(guess):
+        return {"set": None, "how": f"torch finds {guess}"}
+    candidates = ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []) + \
+        ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for home in candidates:
+        if _has_toolkit(home) and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return {"set": home, "how": f"CUDA_HOME={home} given to the items: torch would guess {guess}, which has no "
+                                       "include/cuda_runtime.h"}
+    return {"set": None, "how": f"no CUDA toolkit with include/cuda_runtime.h found (torch would guess {guess})"}
+
+
 def describe(python: str) -> dict:
     env = {"python": sys.version.split()[0], "python_executable": python, "host": socket.gethostname(),
            "platform": platform.platform(), "cpus": os.cpu_count()}
@@ -63,4 +90,5 @@ def describe(python: str) -> dict:
     release = [line for line in (output or "").splitlines() if "release" in line]
     env["nvcc"] = release[-1].strip() if code == 0 and release else None
     env["compute_sanitizer"] = sanitizer_path()
+    env["cuda_home"] = cuda_home()
     return env

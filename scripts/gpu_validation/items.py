@@ -2,7 +2,7 @@
 still said the most): the same list on a GPU (``cuda_ipc``) and in the CPU smoke run (``shm``, smaller
 selections, the CUDA-only items left to report themselves not measurable).
 
-Correctness: set-up, the one-rank smoke test, the JIT build from the installed wheel, the push kernel
+Correctness: set-up, the one-rank smoke test, the harness's accelerator checks, the JIT build from the installed wheel, the push kernel
 against a CPU reference, the transport conformance suite, training parity, one rank on NCCL, the fault
 matrix, peer atomics between distinct GPUs. Performance: set-up, the JIT build, pull/push bandwidth with
 a ``push_max_blocks`` sweep (and NVLink and GEMM slowdown where there are two GPUs), batched vs per-piece
@@ -30,6 +30,8 @@ class Context:
     cpu_smoke: bool
     gpus: int
     sanitizer: Optional[str]
+    cuda_home: Optional[str] = None
+    """CUDA_HOME for the items, where torch's own guess would miss the toolkit (environment.cuda_home)"""
 
     @property
     def site(self) -> str:
@@ -48,6 +50,8 @@ class Context:
             env["TORCH_EXTENSIONS_DIR"] = os.path.join(self.work, "torch_extensions")
         if self.cpu_smoke:
             env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        if self.cuda_home:
+            env["CUDA_HOME"] = self.cuda_home
         return env
 
     def pytest(self, name: str, title: str, paths: List[str], select: Optional[str], timeout_s: float) -> Item:
@@ -89,9 +93,10 @@ def correctness(ctx: Context) -> List[Item]:
     distinct.unavailable = _one_gpu(ctx, "peer atomics between distinct GPUs")
     return [
         setup_item(ctx),
-        ctx.pytest("smoke", f"one rank, one step on {t}: the rank's accelerator, device, transport; nothing touched "
-                   "CUDA before it", ["tests/gpu/test_cuda_smoke.py"] +
-                   ([] if smoke else ["tests/distributed/test_harness_accelerator.py"]), None, 300),
+        ctx.pytest("smoke", f"one rank, one step on {t}: the rank's accelerator, device and transport",
+                   ["tests/gpu/test_cuda_smoke.py"], None, 240),
+        ctx.pytest("harness", "ranks get the accelerator and backend they ask for; the forkserver's preloads leave "
+                   "CUDA alone", ["tests/distributed/test_harness_accelerator.py"], None, 240),
         jit_item(ctx),
         ctx.pytest("kernel-sweep", "the push kernel against a CPU reference: every dtype, alignments 0-3, sizes "
                    "0-37, one 3,000,001-element push", ["tests/gpu/test_push_kernel.py"], None, 300),
@@ -112,13 +117,14 @@ def correctness(ctx: Context) -> List[Item]:
 
 def performance(ctx: Context) -> List[Item]:
     env = ctx.env()
+    no_gpu = "" if ctx.gpus else "no CUDA GPU is visible here"
     bandwidth = Item("transport-bandwidth", "pull and push against a device-to-device copy, 1-256 MiB, "
                      "push_max_blocks 4-64", [ctx.python, "benchmarks/gpu_transport.py", "--world", "2", "--sizes-mib",
                                               "1", "4", "16", "64", "256", "--push-blocks", "4", "8", "16", "32",
                                               "64", "--iters", "20", "--gemm-seconds", "2",
                                               "--json", "{scratch}/bandwidth.json", "--markdown",
                                               "{out}/gpu_transport.md"], 300, verdicts.bandwidth_verdict, env,
-                     ctx.root)
+                     ctx.root, unavailable=no_gpu)
     nvlink = Item("nvlink-bandwidth", "pull and push bandwidth between distinct GPUs",
                   unavailable=_one_gpu(ctx, "NVLink bandwidth"),
                   derive=lambda done: _from(done, "transport-bandwidth", lambda r: Verdict(r.status, r.figures,
@@ -133,7 +139,7 @@ def performance(ctx: Context) -> List[Item]:
          "pytest", "tests/distributed/test_transport_conformance.py", "-p", "no:cacheprovider", "-q", "-x", "-k",
          "cuda_ipc and large_misaligned"]]
     sanitizer_items = [Item(name, title, command, 240, verdicts.sanitizer_verdict, env, ctx.root,
-                            unavailable="" if command else "compute-sanitizer is not installed here")
+                            unavailable=no_gpu or ("" if command else "compute-sanitizer is not installed here"))
                        for (name, title), command in zip(
                            [("memcheck-kernel-sweep", "compute-sanitizer memcheck over the push kernel sweep"),
                             ("memcheck-two-process-push", "compute-sanitizer memcheck over a 2-process push")],
@@ -146,10 +152,11 @@ def performance(ctx: Context) -> List[Item]:
         gemm,
         Item("batched-vs-per-piece", "one read_many / accumulate_many against one transfer per piece, a gather of "
              "72 tensors", [ctx.python, "benchmarks/gpu_gather.py", "--world", "2", "--json", "{scratch}/gather.json"],
-             240, verdicts.gather_verdict, env, ctx.root),
+             240, verdicts.gather_verdict, env, ctx.root, unavailable=no_gpu),
         Item("overlap", "fraction of pull and push time beside compute, small causal LM, 2 ranks on the GPU, "
              "CUDA-event timeline", [ctx.python, "benchmarks/gpu_overlap.py", "--json", "{scratch}/overlap.json",
-                                     "--png", "{out}/timeline.png"], 300, verdicts.overlap_verdict, env, ctx.root),
+                                     "--png", "{out}/timeline.png"], 300, verdicts.overlap_verdict, env, ctx.root,
+             unavailable=no_gpu),
         *sanitizer_items,
     ]
 

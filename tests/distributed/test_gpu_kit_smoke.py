@@ -10,9 +10,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ORDER = ["setup", "smoke", "jit-build", "kernel-sweep", "conformance", "training-parity", "nccl-one-rank",
+ORDER = ["setup", "smoke", "harness", "jit-build", "kernel-sweep", "conformance", "training-parity", "nccl-one-rank",
          "fault-matrix", "peer-atomics-distinct-gpus"]
-PASSING = ["setup", "smoke", "jit-build", "conformance", "training-parity", "fault-matrix"]
+PASSING = ["setup", "smoke", "harness", "jit-build", "conformance", "training-parity", "fault-matrix"]
 NOT_MEASURABLE_HERE = ["kernel-sweep", "nccl-one-rank", "peer-atomics-distinct-gpus"]
 
 
