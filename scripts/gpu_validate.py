@@ -59,6 +59,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    clock_start = time.monotonic()  # the phase's budget includes reading the machine
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     work = args.work or tempfile.mkdtemp(prefix=f"ds_odc_gpu_validate_{args.phase}_")
     python = sys.executable
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     header = {"mode": mode, "started": started, "command": " ".join([os.path.basename(python), *sys.argv]),
               "environment": machine}
     budget = args.budget or (SMOKE_BUDGET_S if args.cpu_smoke else BUDGET_S)
-    phase = Phase(args.phase, os.path.abspath(args.out), work, budget, header)
+    phase = Phase(args.phase, os.path.abspath(args.out), work, budget, header, started=clock_start)
     print(f"ds_odc GPU validation: phase {args.phase}, {mode}, budget {budget:.0f} s; {machine.get('gpus', 0)} GPU(s) "
           f"{[d['name'] for d in machine.get('devices', [])]}, driver {machine.get('driver')}, torch "
           f"{machine.get('torch')} (CUDA {machine.get('torch_cuda')}), Python {machine['python']}", flush=True)

@@ -144,11 +144,12 @@ class Phase:
     """Runs items in order under a total budget, logging to ``log.txt`` and rewriting ``results.json``
     in ``out`` after each item (a phase stopped from outside still leaves what it has)."""
 
-    def __init__(self, name: str, out: str, work: str, budget_s: float, header: dict, echo=print):
+    def __init__(self, name: str, out: str, work: str, budget_s: float, header: dict, echo=print,
+                 started: Optional[float] = None):
         self.name, self.out, self.work, self.budget_s = name, out, work, budget_s
         self.header = header
         self.results: List[ItemResult] = []
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started  # the budget counts from here
         self.echo = echo
         os.makedirs(out, exist_ok=True)
         os.makedirs(work, exist_ok=True)
