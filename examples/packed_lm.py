@@ -84,7 +84,23 @@ def pack(samples: list[torch.Tensor]):
     return inputs, targets, positions, cu_seqlens
 
 
-def loss_sum(model, batch) -> torch.Tensor:
+def to_device(batch, device):
+    """The packed micro-batch's tensors on ``device`` (``cu_seqlens`` stays a list: it only slices)."""
     inputs, targets, positions, cu_seqlens = batch
+    return inputs.to(device), targets.to(device), positions.to(device), cu_seqlens
+
+
+def device_of(model) -> torch.device:
+    """Where ``model`` computes: ``engine.device`` for a DeepSpeed engine, else its parameters' device."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def loss_sum(model, batch) -> torch.Tensor:
+    """Summed token loss of one packed micro-batch, computed on the model's device (the data loader
+    yields CPU tensors; on a GPU they are moved here)."""
+    inputs, targets, positions, cu_seqlens = to_device(batch, device_of(model))
     logits = model(inputs, positions, cu_seqlens)
     return F.cross_entropy(logits.float(), targets, reduction="sum")

@@ -1,4 +1,4 @@
-"""Train a small causal LM with the ODC stage on CPU ranks, on long-tailed sequence lengths.
+"""Train a small causal LM with the ODC stage, on long-tailed sequence lengths (CPU ranks or GPUs).
 
 Each optimizer step takes a global minibatch of samples with LongAlign-like lengths (scaled down),
 and the LB-Mini balancer gives every rank an equal *amount of compute*: ranks run different numbers
@@ -8,6 +8,11 @@ the step. Each step prints the loss and every rank's utilisation (busy / wall, f
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/train_causal_lm.py
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_causal_lm.py
+    torchrun --nproc_per_node <GPUs> examples/train_causal_lm.py        # one rank per GPU, cuda_ipc
+
+Batches are built on the CPU by the data loader and moved to ``engine.device`` in ``loss_sum``
+(examples/packed_lm.py). ``--backend`` picks the process group's backend: gloo (the default: ODC's
+collectives are a few at start-up, and gloo lets several ranks share one GPU) or nccl.
 
 The only ODC-specific line in the config is ``"stage": "odc"``; the ODC-specific calls are the
 balanced sampler and ``engine.backward(loss_sum, loss_tokens=n)`` for per-token normalisation.
@@ -38,10 +43,11 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--samples_per_rank", type=int, default=4)
     parser.add_argument("--policy", default="lb-mini", choices=["lb-mini", "lb-micro", "local-sort"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     token_cap = 65_536 // SCALE
     lengths = longalign_like_lengths(args.steps * args.samples_per_rank * world, SCALE, seed=0)
@@ -57,7 +63,7 @@ def main():
     engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=token_cap), config=config)
     if rank == 0:
         print(f"engine: {type(engine).__name__}, zero stage {engine.zero_optimization_stage()}, {world} ranks, "
-              f"{args.policy} balancing")
+              f"{args.policy} balancing, on {engine.device}")
 
     progress = sampler.group_steps(loader)
     if rank == 0:

@@ -15,83 +15,137 @@ compute    forward + backward of a micro-batch, less the gather/reduce inside it
 
 Spans nest (a gather inside a micro-batch); only the innermost kind is charged, so the parts of a
 step add up to its wall time (whatever is left is ``other``: data loading, user code).
+
+Time is read by a timer (:mod:`ds_odc.metrics.timing`): the host clock on CPU, CUDA events on a CUDA
+device (see [Note: GPU spans] there), chosen from the device the recorder is given, or from DeepSpeed's
+accelerator when none is. Marks are kept as they are taken and turned into times when the step ends,
+which is when events can be read without stalling the device.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
 
 from ds_odc.metrics.report import StepReport
 
 COMM_KINDS = ("gather", "reduce", "step_wait")
+#: Kinds of :meth:`StepRecorder.device_span`: work on a side stream, drawn but not charged to the step.
+DEVICE_KINDS = ("pull", "push")
 
 #: clock shared by every process on a host (CLOCK_MONOTONIC on Linux), so rank timelines align
 clock: Callable[[], float] = time.perf_counter
 
 
-class StepRecorder:
-    """Accumulates one step at a time; keeps the last ``history`` reports and their timelines."""
+def _clock() -> float:
+    return clock()  # looked up at each call, so a test's replacement of ``clock`` is seen
 
-    def __init__(self, rank: int, history: int = 1000, on_step: Optional[Callable[[StepReport], None]] = None):
+
+@dataclass
+class _Span:
+    kind: str
+    start: object  # a timer mark, resolved at the step's end
+    end: object = None
+    within: Optional[int] = None
+    """index of the micro-batch it was charged inside, -1 inside the optimizer step, None outside both"""
+
+
+@dataclass
+class _Step:
+    micro_batches: List[_Span] = field(default_factory=list)
+    spans: List[_Span] = field(default_factory=list)      # charged: gather, reduce, step_wait
+    device: List[_Span] = field(default_factory=list)     # drawn only: pull, push
+    first: object = None                                  # the step's first mark
+
+
+class StepRecorder:
+    """Accumulates one step at a time; keeps the last ``history`` reports and their timelines.
+
+    ``device``: where the engine computes (CUDA events there, host clock on CPU); ``None`` asks
+    DeepSpeed's accelerator at the first mark. ``timer``: a ready-made timer (tests)."""
+
+    def __init__(self, rank: int, history: int = 1000, on_step: Optional[Callable[[StepReport], None]] = None,
+                 device=None, timer=None):
         self.rank = rank
         self.enabled = True
         self.reports: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.on_step = on_step
+        self._device = device
+        self._timer = timer
         self._steps = 0
         self._reset()
 
+    @property
+    def timing(self) -> str:
+        """"host" or "cuda-events" (decided at the first mark when no device or timer was given)."""
+        return self._get_timer().name
+
+    def _get_timer(self):
+        if self._timer is None:
+            from ds_odc.metrics.timing import timer_for
+            self._timer = timer_for(self._device, _clock)
+        return self._timer
+
+    def _mark(self, stream=None):
+        mark = self._get_timer().mark(stream)
+        if self._step.first is None:
+            self._step.first = mark
+        return mark
+
     def _reset(self) -> None:
-        self._step_start: Optional[float] = None
-        self._micro_start: Optional[float] = None
-        self._micro_comm = 0.0
-        self._compute: list[float] = []
-        self._totals = dict.fromkeys(COMM_KINDS + ("optimizer",), 0.0)
-        self._events: list[tuple[str, float, float]] = []
+        self._step = _Step()
+        self._micro: Optional[_Span] = None
+        self._in_optimizer = False
         self._depth = 0  # open spans, so nested comm spans are charged once
 
     # -- hooks -----------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:
         if not self.enabled:
             return
-        now = clock()
-        if self._micro_start is not None:  # the last one ended without engine.backward (loss.backward())
-            self._close_micro_batch(now)
-        if self._step_start is None:
-            self._step_start = now
-        self._micro_start, self._micro_comm = now, 0.0
+        now = self._mark()
+        if self._micro is not None:  # the last one ended without engine.backward (loss.backward())
+            self._micro.end = now
+        self._micro = _Span("micro_batch", now)
+        self._step.micro_batches.append(self._micro)
 
     def end_micro_batch(self) -> None:
-        if self.enabled and self._micro_start is not None:
-            self._close_micro_batch(clock())
-
-    def _close_micro_batch(self, now: float) -> None:
-        self._compute.append(now - self._micro_start - self._micro_comm)
-        self._events.append(("micro_batch", self._micro_start, now))
-        self._micro_start = None
+        if self.enabled and self._micro is not None:
+            self._micro.end = self._mark()
+            self._micro = None
 
     @contextlib.contextmanager
     def span(self, kind: str):
-        """Charge the wall time of the block to ``kind`` (one of ``COMM_KINDS``), unless an enclosing
+        """Charge the time of the block to ``kind`` (one of ``COMM_KINDS``), unless an enclosing
         span already charges it."""
         if not self.enabled or self._depth:
             yield
             return
         self._depth += 1
-        start = clock()
+        within = len(self._step.micro_batches) - 1 if self._micro is not None else (-1 if self._in_optimizer else None)
+        record = _Span(kind, self._mark(), within=within)
         try:
             yield
         finally:
-            end = clock()
+            record.end = self._mark()
             self._depth -= 1
-            if self._step_start is None:
-                self._step_start = start
-            elapsed = end - start
-            self._totals[kind] += elapsed
-            if self._micro_start is not None:
-                self._micro_comm += elapsed
-            self._events.append((kind, start, end))
+            self._step.spans.append(record)
+
+    @contextlib.contextmanager
+    def device_span(self, kind: str, stream=None):
+        """Record the work queued in the block on ``stream`` (default: the current one) as ``kind``
+        (``DEVICE_KINDS``): drawn in the timeline and measured against compute
+        (:mod:`ds_odc.metrics.overlap`), never charged to the step's parts. Nesting is allowed."""
+        if not self.enabled:
+            yield
+            return
+        record = _Span(kind, self._mark(stream))
+        try:
+            yield
+        finally:
+            record.end = self._mark(stream)
+            self._step.device.append(record)
 
     @contextlib.contextmanager
     def optimizer_step(self):
@@ -100,24 +154,38 @@ class StepRecorder:
             yield
             return
         self.end_micro_batch()
-        start = clock()
-        if self._step_start is None:
-            self._step_start = start
-        inside_before = sum(self._totals.values())
+        record = _Span("optimizer", self._mark())
+        self._in_optimizer = True
         try:
             yield
         finally:
-            end = clock()
-            inside = sum(self._totals.values()) - inside_before
-            self._totals["optimizer"] += max(0.0, end - start - inside)
-            self._events.append(("optimizer", start, end))
-            self._finish_step(end)
+            record.end = self._mark()
+            self._in_optimizer = False
+            self._finish_step(record)
 
-    def _finish_step(self, end: float) -> None:
-        report = StepReport(rank=self.rank, step=self._steps, start=self._step_start, wall_s=end - self._step_start,
-                            compute_s=tuple(self._compute), gather_s=self._totals["gather"],
-                            reduce_s=self._totals["reduce"], step_wait_s=self._totals["step_wait"],
-                            optimizer_s=self._totals["optimizer"], events=tuple(self._events))
+    def _finish_step(self, optimizer: _Span) -> None:
+        step = self._step
+        spans = [s for s in step.micro_batches + step.spans + step.device + [optimizer] if s.end is not None]
+        marks = [step.first] + [m for s in spans for m in (s.start, s.end)]
+        times = iter(self._get_timer().resolve(marks))
+        start = next(times)
+        resolved = [(s, next(times), next(times)) for s in spans]
+        totals = dict.fromkeys(COMM_KINDS, 0.0)
+        inside = collections.Counter()  # charged span time per micro-batch (index) and in the optimizer (-1)
+        for span, begin, end in resolved:
+            if span.kind in COMM_KINDS:
+                totals[span.kind] += end - begin
+                if span.within is not None:
+                    inside[span.within] += end - begin
+        micro_index = {id(m): i for i, m in enumerate(step.micro_batches)}
+        compute = tuple(end - begin - inside[micro_index[id(s)]] for s, begin, end in resolved
+                        if s.kind == "micro_batch")
+        _, opt_begin, opt_end = resolved[-1]
+        report = StepReport(rank=self.rank, step=self._steps, start=start, wall_s=opt_end - start, compute_s=compute,
+                            gather_s=totals["gather"], reduce_s=totals["reduce"], step_wait_s=totals["step_wait"],
+                            optimizer_s=max(0.0, opt_end - opt_begin - inside[-1]),
+                            events=tuple((s.kind, begin, end) for s, begin, end in resolved),
+                            timing=self._get_timer().name)
         self.reports.append(report)
         self._steps += 1
         self._reset()

@@ -32,7 +32,10 @@ class StepReport:
     step_wait_s: float
     optimizer_s: float
     events: tuple[tuple[str, float, float], ...] = ()
-    """(kind, start, end) spans for timeline plots: micro_batch, gather, reduce, step_wait, optimizer"""
+    """(kind, start, end) spans for timeline plots: micro_batch, gather, reduce, step_wait, optimizer; and
+    pull, push: work on a side stream (``StepRecorder.device_span``), drawn but not part of any total"""
+    timing: str = "host"
+    """how the times were read: "host" (clock readings) or "cuda-events" (``ds_odc.metrics.timing``)"""
 
     @property
     def micro_batches(self) -> int:

@@ -9,6 +9,13 @@
 // covers exactly one window, and so that the allocator never hands a window's memory to another
 // tensor while peers still have it mapped. The tensors own their memory: the last reference frees
 // it (cudaFree for an owner, cudaIpcCloseMemHandle for a peer mapping).
+//
+// Every window tensor is made with an explicit target device, the device of the rank that uses it
+// (window_tensor below). torch::from_blob without one asks the driver which device the pointer
+// belongs to, and for a peer's IPC mapping on a multi-GPU node that is likely the *peer's* GPU: ATen
+// then refuses the tensor ("Specified device cuda:0 does not match device of data cuda:1"). The
+// mapping is addressable from the local device (unified addressing, peer access enabled by
+// cudaIpcOpenMemHandle), which is where this rank's pulls and pushes run.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAGuard.h>
@@ -16,8 +23,10 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "odc_kernels.h"
 
@@ -29,6 +38,17 @@ void check_cuda(cudaError_t err, const char* what) {
 
 torch::TensorOptions byte_options(int64_t device) {
   return torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
+}
+
+// A uint8 tensor of `nbytes` over `ptr`, on the local CUDA device `device` whatever device the driver
+// reports for `ptr` (see the file comment); `release` runs when the last reference is gone.
+torch::Tensor window_tensor(void* ptr, int64_t nbytes, int64_t device, std::function<void(void*)> release) {
+  const c10::Device local(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
+  return at::for_blob(ptr, {nbytes})
+      .deleter(std::move(release))
+      .target_device(local)
+      .options(byte_options(device))
+      .make_tensor();
 }
 
 std::tuple<torch::Tensor, pybind11::bytes> alloc_window(int64_t nbytes, int64_t device) {
@@ -48,7 +68,7 @@ std::tuple<torch::Tensor, pybind11::bytes> alloc_window(int64_t nbytes, int64_t 
     c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
     cudaFree(p);
   };
-  auto window = torch::from_blob(ptr, {nbytes}, release, byte_options(device));
+  auto window = window_tensor(ptr, nbytes, device, release);
   return {window, pybind11::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle))};
 }
 
@@ -64,7 +84,7 @@ torch::Tensor open_window(const std::string& handle_bytes, int64_t nbytes, int64
     c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
     cudaIpcCloseMemHandle(p);
   };
-  return torch::from_blob(ptr, {nbytes}, release, byte_options(device));
+  return window_tensor(ptr, nbytes, device, release);
 }
 
 void scatter_add(torch::Tensor dst, torch::Tensor src, int64_t head, int64_t groups, bool vector_loads, int64_t blocks,
@@ -102,7 +122,11 @@ void scatter_add(torch::Tensor dst, torch::Tensor src, int64_t head, int64_t gro
     const int64_t width = 4 * src.element_size();
     TORCH_CHECK((src_addr + head * src.element_size()) % width == 0, "ds_odc scatter_add: source not aligned");
   }
-  c10::cuda::CUDAGuard guard(dst.device());
+  // The local device: the gradient's (`dst` may be a peer's mapping; window_tensor gives it the local
+  // device too, but the gradient says unambiguously where this rank computes and which stream is current).
+  TORCH_CHECK(dst.device() == src.device(), "ds_odc scatter_add: accumulator on ", dst.device(), ", gradient on ",
+              src.device(), ": a push runs on the pushing rank's device");
+  c10::cuda::CUDAGuard guard(src.device());
   check_cuda(odc::launch_scatter_add(dst.data_ptr(), acc, src.data_ptr(), src_kind, numel, head, groups, vector_loads,
                                      static_cast<int>(blocks), static_cast<int>(threads),
                                      c10::cuda::getCurrentCUDAStream().stream()),

@@ -1,9 +1,10 @@
-"""Multi-process test harness: real ranks, gloo, a hang timeout that names the hung rank.
+"""Multi-process test harness: real ranks, gloo (or NCCL), a hang timeout that names the hung rank.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises DeepSpeed's
-process group (gloo, CPU accelerator) in each, calls ``fn(*args)`` and returns the list of
-per-rank results. ``fn`` (and the optional ``setup``, run before the process group exists) must be module-level
-functions: they are pickled by name.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, initialises DeepSpeed's
+process group in each (``backend="gloo"`` by default, ``"nccl"`` where the ranks have a GPU each;
+CPU accelerator unless ``env`` names another), calls ``fn(*args)`` and returns the list of per-rank
+results. ``fn`` (and the optional ``setup``, run before the process group exists) must be module-level
+functions: they travel by name (module and qualified name) and are imported in the rank.
 
 * a rank that raises -> :class:`RankFailure` with every failing rank's traceback;
 * ranks that have not returned after ``timeout`` seconds -> they are killed (SIGKILL) and
@@ -14,16 +15,29 @@ functions: they are pickled by name.
 * ``pg_timeout_s`` sets the process group's timeout (``deepspeed.init_distributed(timeout=...)``),
   the bound a collective waits for a silent peer, and the default of ODC's own bound.
 
-Ranks are forked from a forkserver that has imported torch, DeepSpeed and ds_odc once (they hold
-no threads or process groups at that point), so a rank starts in a fraction of a second instead
-of re-importing them. Each rank still sets its environment, its thread count and its process
-group itself.
+How a rank starts (:func:`start_method`):
+
+* CPU ranks on gloo are forked from a forkserver that has imported torch, DeepSpeed and ds_odc once
+  (they hold no threads or process groups at that point), so a rank starts in a fraction of a second
+  instead of re-importing them. DeepSpeed fixes its accelerator when it is imported, and the
+  forkserver imported it with ``DS_ACCELERATOR=cpu``: every rank forked from it has the CPU
+  accelerator, whatever its own environment says;
+* so a run whose ``env`` names another accelerator (``"cuda"``), or that asks for NCCL, *spawns*
+  fresh interpreters instead. Nothing but this module (stdlib only) is imported before the rank has
+  set its environment: ``fn`` and ``setup`` travel as (module, name) and ``args`` as pickled bytes,
+  so not even the workload module (which imports DeepSpeed) is loaded before ``DS_ACCELERATOR`` is set.
+
+Nothing here touches CUDA in the parent or in the forkserver: the forkserver's preloads leave the CUDA
+driver alone (``forkserver_setup``; ``tests/distributed/test_harness_accelerator.py`` checks it), so its
+ranks are no "bad forks", and a CUDA rank initialises CUDA itself.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -85,12 +99,27 @@ def _tail(path: str, lines: int = 25) -> str:
 
 #: What the forkserver imports once; ranks forked from it start with these modules loaded. Besides the
 #: obvious ones, building the first optimizer imports torch._dynamo (torch.optim's compile guard) and
-#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded.
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded. First of all,
+#: forkserver_setup keeps those imports from initialising CUDA (see there).
+PRELOAD = ["tests.distributed.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.distributed.workloads"]
 
 
-def _context():
+BACKENDS = ("gloo", "nccl")
+
+
+def start_method(env: Optional[dict], backend: str) -> str:
+    """"forkserver" for CPU ranks on gloo (fast, preloaded); "spawn" when the ranks need another
+    accelerator or NCCL, which a rank forked from the CPU-preloaded forkserver could never get."""
+    if backend not in BACKENDS:
+        raise ValueError(f"run_ranks: backend must be one of {BACKENDS}, got {backend!r}")
+    accelerator = (env or {}).get("DS_ACCELERATOR", "cpu")
+    return "forkserver" if accelerator == "cpu" and backend == "gloo" else "spawn"
+
+
+def _context(method: str):
+    if method == "spawn":
+        return mp.get_context("spawn")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when the forkserver imports DeepSpeed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("forkserver")
@@ -98,7 +127,26 @@ def _context():
     return ctx
 
 
-def _rank_entry(fn, rank, world_size, port, results, args, env, log_path, setup, pg_timeout_s):
+def _reference(fn: Optional[Callable]):
+    """(module, qualified name) of a module-level function; None stays None."""
+    if fn is None:
+        return None
+    if "<locals>" in fn.__qualname__ or fn.__module__ == "__main__":
+        raise ValueError(f"run_ranks needs module-level functions of an importable module, got {fn!r}")
+    return fn.__module__, fn.__qualname__
+
+
+def _resolve(reference):
+    if reference is None:
+        return None
+    module, qualname = reference
+    target = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _rank_entry(fn_ref, rank, world_size, port, results, payload, env, log_path, setup_ref, pg_timeout_s, backend):
     _redirect_output(log_path)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -107,16 +155,18 @@ def _rank_entry(fn, rank, world_size, port, results, args, env, log_path, setup,
     })
     os.environ.update(env or {})
     try:
+        # first import of DeepSpeed in a spawned rank: after DS_ACCELERATOR is set (module docstring)
         import torch
         torch.set_num_threads(1)
         import deepspeed
         import ds_odc  # noqa: F401  registers the "odc" stage
+        fn, setup, args = _resolve(fn_ref), _resolve(setup_ref), pickle.loads(payload)
         if setup is not None:
             setup()
         if pg_timeout_s is None:
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed.init_distributed(dist_backend=backend)
         else:
-            deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=pg_timeout_s))
+            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=pg_timeout_s))
         value = fn(*args)
         results.put((rank, "ok", _encode(value)))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -132,14 +182,16 @@ def _rank_entry(fn, rank, world_size, port, results, args, env, log_path, setup,
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, report: bool = False,
               env: Optional[dict] = None, setup: Optional[Callable] = None, wait_for: Optional[List[int]] = None,
-              pg_timeout_s: Optional[float] = None):
-    ctx = _context()
+              pg_timeout_s: Optional[float] = None, backend: str = "gloo"):
+    ctx = _context(start_method(env, backend))
+    fn_ref, setup_ref, payload = _reference(fn), _reference(setup), pickle.dumps(args)
     results = ctx.Queue()
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix="ds_odc_test_logs_")
     logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(world_size)]
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, results, args, env, logs[r], setup,
-                                                   pg_timeout_s), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_entry, args=(fn_ref, r, world_size, port, results, payload, env, logs[r],
+                                                   setup_ref, pg_timeout_s, backend), daemon=True)
+             for r in range(world_size)]
     for proc in procs:
         proc.start()
     collected: dict = {}

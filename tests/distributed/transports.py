@@ -7,10 +7,16 @@ reason (``cuda_ipc`` without a CUDA device), never silently dropped.
 
 Placement of GPU ranks: DeepSpeed's CUDA accelerator, gloo for the (start-up only) collectives and,
 when there are fewer GPUs than ranks, every rank on GPU 0 (processes may share one GPU through CUDA
-IPC; NCCL could not).
+IPC; NCCL could not). A run whose environment names the CUDA accelerator is spawned, not forked from
+the CPU-preloaded forkserver (``tests/distributed/harness.py``).
+
+The training, fault and smoke tests of ``tests/gpu`` run on :func:`gpu_suite_case`: ``cuda_ipc``, or the
+transport named by ``ODC_GPU_SUITE_TRANSPORT`` (the validation kit's ``--cpu-smoke`` sets ``shm``, so
+that CI runs the same tests end to end on CPU ranks; ``scripts/gpu_validate.py``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -61,3 +67,20 @@ TRANSPORTS = [pytest.param(name, id=name, marks=pytest.mark.skipif(not case.usab
 def rank_env(name: str, world: int) -> Optional[dict]:
     """Environment of the ranks of a ``world``-rank test on transport ``name``."""
     return CASES[name].env(world)
+
+
+#: Which transport the tests of tests/gpu run on (see the module docstring).
+SUITE_TRANSPORT_ENV = "ODC_GPU_SUITE_TRANSPORT"
+
+
+def gpu_suite_case() -> TransportCase:
+    name = os.environ.get(SUITE_TRANSPORT_ENV, "cuda_ipc")
+    if name not in CASES:
+        raise ValueError(f"{SUITE_TRANSPORT_ENV}={name!r}: expected one of {sorted(CASES)}")
+    return CASES[name]
+
+
+def gpu_suite_skip():
+    """The skip mark of a tests/gpu module: skipped, with the reason, where its transport cannot run."""
+    case = gpu_suite_case()
+    return pytest.mark.skipif(not case.usable(), reason=case.why_not)

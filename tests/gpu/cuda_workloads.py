@@ -1,43 +1,96 @@
 """What the ranks run in the GPU training tests (the transport contract's workloads are shared
 with every transport: tests/distributed/transport_workloads.py).
 
-Ranks are spawned by tests/distributed/harness.py with ``env=gpu_env(world)`` (placement:
-tests/distributed/transports.py).
+Ranks are started by tests/distributed/harness.py with ``env=rank_env(name, world)`` (placement:
+tests/distributed/transports.py): on ``cuda_ipc`` they are spawned with DeepSpeed's CUDA accelerator,
+so ``engine.device`` is the rank's GPU and every batch is moved there. The same functions run on ``shm``
+(CPU ranks) when the validation kit's ``--cpu-smoke`` asks for it.
+
+A *schedule* lists, per rank, the micro-batches it runs each step, as (data rank, index) pairs of
+:func:`~tests.distributed.workloads.micro_batch`: the same global batch split differently over ranks
+must give the same update, so a one-rank run of the concatenated schedule is the reference.
 """
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.distributed as tdist
 
-from tests.distributed.transports import rank_device
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.distributed.transports import CASES
+from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+
+MODES = ("managed", "token")
 
 
-def train_schedule(schedule, steps=5, bf16=False, accumulator="fp32"):
-    """Managed accumulation where rank r runs the micro-batches ``schedule[r]`` (list of (rank, index)
-    of :func:`micro_batch`) each step; the boundary is each rank's own last micro-batch. The same
-    global batch split differently over ranks must give the same update."""
-    device = rank_device()
-    rank = tdist.get_rank()
-    # gas is fixed and each rank sets its own boundary (as accelerate does): gradients arrive divided by
-    # gas everywhere, and the step divides by global micro-batches / gas, whatever the split
-    cfg = ds_config("odc", gas=2, bf16=bf16, odc={"accumulator_dtype": accumulator})
+def _config(mode: str, bf16: bool, accumulator: str):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    odc = {"accumulator_dtype": accumulator}
+    if mode == "managed":
+        # gas is fixed and each rank sets its own boundary (as accelerate does): gradients arrive divided by
+        # gas everywhere, and the step divides by global micro-batches / gas, whatever the split
+        return ds_config("odc", gas=2, bf16=bf16, odc=odc)
+    # per-token: each rank sums its tokens' losses and says how many tokens it had; the step divides by
+    # the global count
+    return ds_config("odc", bf16=bf16, managed=False, odc=odc)
+
+
+def _train(engine, mine, steps: int, mode: str) -> list:
+    device, dtype = engine.device, engine.module.inp.weight.dtype
+    losses = []
+    for step in range(steps):
+        for position, (data_rank, index) in enumerate(mine):
+            x, y, mask = micro_batch(step, data_rank, index)
+            x, y, mask = x.to(device, dtype), y.to(device), mask.to(device)
+            if mode == "managed":
+                engine.set_gradient_accumulation_boundary(position == len(mine) - 1)
+                loss = mse_mean(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss = mse_token_sum(engine(x), y, mask)
+                engine.backward(loss, loss_tokens=int(mask.sum().item()))
+            losses.append(loss.item())
+        if mode == "token":
+            engine.step()
+    return losses
+
+
+def train_schedule(name, schedule, steps=5, bf16=False, accumulator="fp32", mode="managed"):
+    """Rank r runs ``schedule[r]`` each step on transport ``name``; returns what it saw and the full
+    fp32 parameters after ``steps`` steps."""
+    CASES[name].device()  # the rank's device, selected before DeepSpeed places the engine
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config(mode, bf16, accumulator))
     transport = engine.optimizer.odc.transport
-    record = {"transport": transport.name, "window_device": str(transport.local_param_window().device),
+    record = {"transport": transport.name, "engine_device": str(engine.device),
+              "window_device": str(transport.local_param_window().device),
               "window_dtypes": (str(transport.local_param_window().dtype),
-                                str(transport.local_grad_accumulator().dtype)), "losses": []}
-    dtype = engine.module.inp.weight.dtype
-    for step in range(steps):
-        mine = schedule[rank]
-        for position, (data_rank, index) in enumerate(mine):
-            x, y, _ = micro_batch(step, data_rank, index)
-            engine.set_gradient_accumulation_boundary(position == len(mine) - 1)
-            loss = mse_mean(engine(x.to(device, dtype)), y.to(device))
-            engine.backward(loss)
-            engine.step()
-            record["losses"].append(loss.item())
+                                str(transport.local_grad_accumulator().dtype)),
+              "backend": tdist.get_backend()}
+    record["losses"] = _train(engine, schedule[tdist.get_rank()], steps, mode)
     record["params"] = {k: v.cpu() for k, v in full_params(engine).items()}
     engine.destroy()
     return record
+
+
+def train_references(name, cases, steps=5):
+    """One rank, several engines one after the other (one process start for every reference):
+    ``cases`` is a list of (key, micro-batches, bf16, accumulator, mode); returns key -> params."""
+    if tdist.get_world_size() != 1:
+        raise ValueError("references run on one rank")
+    return {key: train_schedule(name, [mine], steps, bf16, accumulator, mode)["params"]
+            for key, mine, bf16, accumulator, mode in cases}
+
+
+def smoke(name):
+    """One rank, one step: what the rank's process is (accelerator, device, transport) and a finite loss."""
+    from deepspeed.accelerator import get_accelerator
+
+    record = train_schedule(name, [[(0, 0), (0, 1)]], steps=1)
+    return {"accelerator": get_accelerator()._name, "env": os.environ.get("DS_ACCELERATOR"),
+            "engine_device": record["engine_device"], "transport": record["transport"],
+            "window_device": record["window_device"], "losses": record["losses"],
+            "cuda_initialized": torch.cuda.is_initialized()}

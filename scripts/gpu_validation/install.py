@@ -1,0 +1,80 @@
+"""Set-up item of the validation kit: install the carried wheels and a wheel of this checkout into a
+private folder (``--site``), without a package index, and print what was installed.
+
+    python scripts/gpu_validation/install.py --root REPO --wheels .gpu_kit/wheels --site DIR --dist DIR
+
+The carried wheels (scripts/gpu_kit.sh) are checked against ``MANIFEST.json`` beside them first: a
+truncated or stale copy is named, not installed. A missing wheels folder is allowed (the CPU smoke run
+uses its own interpreter's packages) and said so. The ds_odc wheel is built without build isolation
+(the GPU machine has setuptools and wheel, and no index to fetch them from). Nothing is installed into
+the interpreter's own site-packages: items find the folder through ``PYTHONPATH``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+
+def pip(*args: str) -> None:
+    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def check_manifest(wheels_dir: str) -> dict:
+    path = os.path.join(os.path.dirname(os.path.abspath(wheels_dir)), "MANIFEST.json")
+    if not os.path.exists(path):
+        return {"manifest": "absent"}
+    with open(path) as handle:
+        manifest = json.load(handle)
+    for wheel in manifest["wheels"]:
+        file = os.path.join(wheels_dir, wheel["file"])
+        if not os.path.exists(file):
+            raise SystemExit(f"{file}: listed in {path} but not carried (was .gpu_kit named in carry?)")
+        with open(file, "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()
+        if digest != wheel["sha256"]:
+            raise SystemExit(f"{file}: sha256 {digest} differs from {path} ({wheel['sha256']}): a broken copy")
+    extra = sorted(set(os.listdir(wheels_dir)) - {w["file"] for w in manifest["wheels"]})
+    if extra:
+        raise SystemExit(f"{wheels_dir} holds wheels the manifest does not list: {extra} (rerun scripts/gpu_kit.sh)")
+    return {"manifest": "checked", "prepared_at_commit": manifest.get("commit"),
+            "prepared_with_uncommitted_changes": manifest.get("dirty"), "prepared": manifest.get("created")}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--wheels", default="", help="the carried wheels' folder; empty: none")
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--dist", required=True)
+    args = parser.parse_args(argv)
+    figures = {"python": sys.version.split()[0], "site": args.site}
+    if args.wheels and not os.path.isdir(args.wheels):
+        raise SystemExit(f"{args.wheels}: no such folder. Run `bash scripts/gpu_kit.sh` where a package index is "
+                         "reachable, and carry .gpu_kit to this machine")
+    carried = sorted(glob.glob(os.path.join(args.wheels, "*.whl"))) if args.wheels else []
+    if carried:
+        figures.update(check_manifest(args.wheels))
+    else:
+        figures["manifest"] = "no carried wheels: this interpreter's own packages are used"
+    os.makedirs(args.dist, exist_ok=True)
+    for old in glob.glob(os.path.join(args.dist, "ds_odc-*.whl")):
+        os.unlink(old)
+    pip("wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q", "-w", args.dist, args.root)
+    built = glob.glob(os.path.join(args.dist, "ds_odc-*.whl"))
+    if len(built) != 1:
+        raise SystemExit(f"expected one ds_odc wheel in {args.dist}, found {built}")
+    pip("install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "-q", "--upgrade", "--target",
+        args.site, *carried, built[0])
+    figures["installed"] = sorted(os.path.basename(w) for w in carried + built)
+    print("INSTALLED " + json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()
