@@ -32,7 +32,7 @@ def attach_recorder(engine, log_interval: int = 0) -> StepRecorder:
         def on_step(report):
             if report.step % log_interval == 0:
                 logger.info("odc metrics: %s", report.log_line())
-    recorder = StepRecorder(rank=engine.global_rank, on_step=on_step)
+    recorder = StepRecorder(rank=engine.global_rank, on_step=on_step, device=engine.device)
     _wrap(engine, "forward", lambda call: _before(recorder.begin_micro_batch, call))
     _wrap(engine, "backward", lambda call: _after(recorder.end_micro_batch, call))
     _wrap(engine, "step", lambda call: _boundary_step(engine, recorder, call))
