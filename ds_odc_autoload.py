@@ -5,6 +5,8 @@ environment, so it must be cheap. Importing ``ds_odc`` imports DeepSpeed and tor
 this module imports nothing beyond the standard library and only installs post-import hooks:
 
 * when ``deepspeed`` has finished importing, ``import ds_odc`` (registers the "odc" stage);
+* ``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc`` (axolotl exports the stage it is given there, and accelerate
+  calls ``int()`` on it) is read as stage 3 with ``DS_ODC_STAGE3=odc``;
 * when ``accelerate.utils.deepspeed`` has finished importing (accelerate imports it whenever
   DeepSpeed is *installed*, without importing DeepSpeed itself), ``HfDeepSpeedConfig`` learns to
   import ds_odc the first time it is handed a config that asks for the "odc" stage. That is the
@@ -26,6 +28,7 @@ from ds_odc_import_hooks import OFF_SWITCH, when_imported
 
 ENV_VAR = OFF_SWITCH
 _OFF_VALUES = ("0", "false", "no", "off")
+ACCELERATE_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
 
 
 def enabled() -> bool:
@@ -38,12 +41,14 @@ def _import_ds_odc(_module=None) -> None:
 
 
 def _asks_for_odc(config) -> bool:
-    """``"stage": "odc"`` or an odc block (top level or under ``zero_optimization``): what
-    ``ds_odc.integration.hf`` canonicalises, or refuses naming why (a balance block on stage 3)."""
+    """A ds_config that asks for the odc stage, as ds_odc reads it (``ds_odc.config``): ``"stage": "odc"``, an
+    odc block (top level or under ``zero_optimization``), or stage 3 with ``DS_ODC_STAGE3=odc``."""
     if not isinstance(config, dict):
         return False
     zero = config.get("zero_optimization")
-    return "odc" in config or (isinstance(zero, dict) and (zero.get("stage") == "odc" or "odc" in zero))
+    zero = zero if isinstance(zero, dict) else {}
+    switch = os.environ.get("DS_ODC_STAGE3", "").strip().lower() == "odc"
+    return zero.get("stage") == "odc" or "odc" in config or "odc" in zero or (switch and zero.get("stage") in (3, "3"))
 
 
 def _guard_hf_deepspeed_config(module) -> None:
@@ -68,10 +73,20 @@ def _guard_hf_deepspeed_config(module) -> None:
     cls.set_stage_and_offload = set_stage_and_offload
 
 
+def translate_accelerate_stage(environ=os.environ) -> None:
+    """``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc`` (what axolotl exports for the stage it was given; accelerate
+    calls ``int()`` on it) becomes stage 3 plus ds_odc's environment switch ``DS_ODC_STAGE3=odc``, for this
+    process and the processes it starts. Any other value is left alone."""
+    if environ.get(ACCELERATE_STAGE, "").strip().lower() == "odc":
+        environ[ACCELERATE_STAGE] = "3"
+        environ.setdefault("DS_ODC_STAGE3", "odc")
+
+
 def install() -> None:
     """The ``.pth`` entry point: install the hooks unless ``DS_ODC_AUTOLOAD`` turns them off."""
     if not enabled():
         return
+    translate_accelerate_stage()
     # Idempotent (when_imported ignores a callback registered twice): site may process a .pth file
     # twice, e.g. in a venv made from a pyenv Python.
     when_imported("deepspeed", _import_ds_odc)

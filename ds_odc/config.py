@@ -1,8 +1,12 @@
 """The "odc" stage in a ds_config, and its options.
 
-User-facing form::
+Three ways to ask for it, all ending in the same canonical form:
 
-    "zero_optimization": {"stage": "odc", "odc": {"timeout_s": 30}, ...other ZeRO-3 options...}
+* the stage value: ``"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 30}, ...}``;
+* the marker form, for frameworks that compare the stage with 3 themselves (every ``stage == 3`` check
+  keeps seeing 3): ``"zero_optimization": {"stage": 3, "odc": {"timeout_s": 30}, ...}``;
+* the environment switch, for configs built in code where no ds_config key can be reached:
+  ``DS_ODC_STAGE3=odc`` (options as JSON in ``DS_ODC_OPTIONS``) makes every stage-3 config ask for ODC.
 
 Canonical form, what DeepSpeed, transformers and accelerate see after :func:`canonicalize`::
 
@@ -13,8 +17,9 @@ unknown top-level keys, so the marker travels with the dict (including into chec
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -22,6 +27,8 @@ from ds_odc.errors import ODCConfigError
 
 ODC_STAGE = "odc"
 MARKER_KEY = "odc"
+ENV_SWITCH = "DS_ODC_STAGE3"
+ENV_OPTIONS = "DS_ODC_OPTIONS"
 
 
 class QuadraticCost(BaseModel):
@@ -161,8 +168,39 @@ def _offload_enabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("device", "none") not in ("none", None)
 
 
-def _check_compatibility(ds_config: dict) -> None:
-    """The one place for cross-field checks of an "odc" ds_config."""
+def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
+    """The options ``DS_ODC_STAGE3=odc`` asks for (the JSON object in ``DS_ODC_OPTIONS``, ``{}`` without
+    it), or None when the switch is off (unset, empty, "0", "off", "false", "no"). Any other value, or
+    options that are not a JSON object, raise naming the variable."""
+    value = environ.get(ENV_SWITCH, "").strip()
+    if value.lower() in ("", "0", "off", "false", "no"):
+        return None
+    if value.lower() != ODC_STAGE:
+        raise ODCConfigError(f"{ENV_SWITCH}={value!r}: set it to \"odc\" (every ZeRO-3 engine of the job then runs on "
+                             "the odc stage) or leave it unset")
+    raw = environ.get(ENV_OPTIONS, "").strip()
+    try:
+        options = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as err:
+        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r} is not JSON ({err}); give the odc options as a JSON object, "
+                             'e.g. {"timeout_s": 60}') from None
+    if not isinstance(options, dict):
+        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, e.g. {{\"timeout_s\": 60}}")
+    return options
+
+
+def _check_compatibility(ds_config: dict, asked_by: str = "") -> None:
+    """The one place for cross-field checks of an "odc" ds_config. ``asked_by``: what asked for ODC, when it
+    was not the config itself (the environment switch), added to every refusal."""
+    try:
+        _check_combinations(ds_config)
+    except ODCConfigError as err:
+        if not asked_by:
+            raise
+        raise ODCConfigError(f"{err} ({asked_by} asked for the odc stage for this stage-3 config)") from None
+
+
+def _check_combinations(ds_config: dict) -> None:
     zero = ds_config["zero_optimization"]
     for key, in_use, why in _UNSUPPORTED_ZERO_OPTIONS:
         if key in zero and zero[key] != "auto" and in_use(zero[key]):
@@ -204,12 +242,19 @@ def parse_options(options: Optional[dict]) -> ODCConfig:
 
 
 def is_odc_config(ds_config: Any) -> bool:
-    """True for a dict that asks for the odc stage, in user-facing or canonical form."""
+    """True for a dict that asks for the odc stage by itself: ``"stage": "odc"``, the marker form (stage 3 and
+    an odc block under ``zero_optimization``) or the canonical form (stage 3 and the top-level marker)."""
     if not isinstance(ds_config, dict):
         return False
     zero = ds_config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else None
-    return stage == ODC_STAGE or (MARKER_KEY in ds_config and stage in (3, "3"))
+    return stage == ODC_STAGE or (stage in (3, "3") and (MARKER_KEY in ds_config or MARKER_KEY in zero))
+
+
+def stage_three(ds_config: Any) -> bool:
+    """True for a dict whose ZeRO stage is 3 (what the environment switch turns into the odc stage)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return isinstance(zero, dict) and zero.get("stage") in (3, "3")
 
 
 def _check_stage_value(ds_config: Any) -> None:
@@ -222,16 +267,9 @@ def _check_stage_value(ds_config: Any) -> None:
     # "auto" is accelerate's placeholder, filled in later with the plugin's stage
     if isinstance(stage, str) and stage not in (ODC_STAGE, "auto") and not stage.strip().isdigit():
         raise ODCConfigError(f"zero_optimization.stage={stage!r}: allowed values are 0, 1, 2, 3 and \"odc\"")
-    if MARKER_KEY in zero and stage != ODC_STAGE and isinstance(zero[MARKER_KEY], dict) \
-            and zero[MARKER_KEY].get("balance") is not None:
-        raise ODCConfigError(f"zero_optimization.odc.balance is set but zero_optimization.stage={stage!r}: "
-                             "balancing by compute gives ranks different numbers of micro-batches, which only "
-                             '"stage": "odc" can run (ZeRO-3 meets at every layer of every micro-batch, so its '
-                             "ranks must run equal counts); use \"stage\": \"odc\", or for ZeRO-3 an equal-count "
-                             "plan from ds_odc.balance.BalancedBatchSampler(policy=\"lb-micro\")")
-    if MARKER_KEY in zero and stage != ODC_STAGE:
+    if MARKER_KEY in zero and stage not in (ODC_STAGE, 3, "3"):
         raise ODCConfigError(f"zero_optimization.odc is set but zero_optimization.stage={stage!r}: the odc options "
-                             'need "stage": "odc" (or remove them)')
+                             'need "stage": "odc", or "stage": 3 (the marker form), or removing')
     if MARKER_KEY in ds_config and stage not in (3, "3", ODC_STAGE):
         raise ODCConfigError(f"odc options with zero_optimization.stage={stage!r}: the odc stage needs "
                              '"stage": "odc"')
@@ -243,21 +281,33 @@ def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     In place, because transformers and accelerate hold the same dict object and read the stage
     from it later. Idempotent. Returns None (and leaves the dict alone) for any other config.
 
+    A stage-3 config asks for ODC also when the environment switch is on (:func:`env_switch`): its options
+    then come from ``DS_ODC_OPTIONS``, and stage 3 stays 3.
+
     >>> cfg = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}}
     >>> canonicalize(cfg).timeout_s, cfg["zero_optimization"]["stage"], cfg["odc"]["timeout_s"]
     (5.0, 3, 5.0)
+    >>> marker = {"zero_optimization": {"stage": 3, "odc": {"timeout_s": 5}}}
+    >>> canonicalize(marker).timeout_s, marker["zero_optimization"], marker["odc"]["timeout_s"]
+    (5.0, {'stage': 3}, 5.0)
     """
     _check_stage_value(ds_config)
+    asked_by = ""
     if not is_odc_config(ds_config):
-        return None
+        switched = env_switch() if stage_three(ds_config) else None
+        if switched is None:
+            return None
+        ds_config[MARKER_KEY] = dict(switched)
+        asked_by = f"{ENV_SWITCH}=odc"
     zero = ds_config["zero_optimization"]
     if zero.get("stage") == ODC_STAGE:
-        options = parse_options(zero.get(MARKER_KEY))
-        zero.pop(MARKER_KEY, None)
+        options = parse_options(zero.pop(MARKER_KEY, None))
         zero["stage"] = 3
+    elif MARKER_KEY in zero:  # the marker form
+        options = parse_options(zero.pop(MARKER_KEY))
     else:
         options = parse_options(ds_config.get(MARKER_KEY))
-    _check_compatibility(ds_config)
+    _check_compatibility(ds_config, asked_by)
     # Defaults left out: accelerate treats every "auto" string in a ds_config as a placeholder it must
     # fill (and raises for keys it does not know), and "auto" is the default of two options.
     ds_config[MARKER_KEY] = options.model_dump(exclude_defaults=True)

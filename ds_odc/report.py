@@ -66,7 +66,22 @@ def environment() -> Dict[str, str]:
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "(unset: DeepSpeed detects)"),
         "cpu cores": str(os.cpu_count()),
         "autoload on `import deepspeed`": autoload,
+        "stage-3 engines on odc": _switch(),
     }
+
+
+def _switch() -> str:
+    """What ``DS_ODC_STAGE3`` (and ``DS_ODC_OPTIONS``) ask for, or why they cannot."""
+    from ds_odc.config import ENV_OPTIONS, ENV_SWITCH, env_switch
+    from ds_odc.errors import ODCConfigError
+
+    try:
+        options = env_switch()
+    except ODCConfigError as err:
+        return f"refused: {err}"
+    if options is None:
+        return f"no ({ENV_SWITCH} unset: only configs that ask for the odc stage)"
+    return f"yes, every one ({ENV_SWITCH}=odc; {ENV_OPTIONS} {json.dumps(options) if options else 'unset'})"
 
 
 def _shm_fallback() -> Tuple[bool, str]:

@@ -140,8 +140,10 @@ def load_checkpoint(engine, load, load_dir, tag=None, *args, **kwargs):
     load_path, client_state = load(load_dir, tag, *args, **kwargs)
     if load_path is not None and universal and resolved is not None:
         _restore_module_state(engine, os.path.join(load_dir, str(resolved)))
-    if hasattr(engine.optimizer, "odc_republish"):
+    if engine.odc_trains:
         engine.optimizer.odc_republish()
+    elif engine.odc_runtime is not None:
+        engine.odc_runtime.windows_rewritten("re-publishing shards after load_checkpoint")
     return load_path, client_state
 
 

@@ -37,12 +37,13 @@ import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
-from ds_odc.config import MARKER_KEY, ODCConfig, parse_options
+from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError
-from ds_odc.integration import checkpoints
+from ds_odc.integration import checkpoints, zero3_frozen
 from ds_odc.integration.patching import swapped
+from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
-from ds_odc.runtime import MicroBatchLedger, Normalisation, Phase, StepTotals
+from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, Phase, StepTotals
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class _EngineState:
     ledger: MicroBatchLedger
     pending_tokens: Optional[int] = None  # set_loss_tokens() before the next backward
     in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
+    frozen: Optional[zero3_frozen.FrozenSession] = None  # an engine without an optimizer: its pulls
 
 
 class ODCEngine(DeepSpeedEngine):
@@ -82,6 +84,8 @@ class ODCEngine(DeepSpeedEngine):
             # there must not leave this process holding the windows it allocated (nor peers' mappings)
             if isinstance(getattr(self, "optimizer", None), ODCStage3Optimizer):
                 self.optimizer.destroy()
+            if self._odc is not None and self._odc.frozen is not None:
+                self._odc.frozen.release()
             raise
         if self._odc is not None and self._odc.options.metrics and self.odc_trains:
             from ds_odc.integration.metrics_hooks import attach_recorder
@@ -89,8 +93,25 @@ class ODCEngine(DeepSpeedEngine):
 
     @property
     def odc_trains(self) -> bool:
-        """Whether this engine trains on ODC (an engine without an optimizer is inference-only)."""
+        """Whether this engine trains on ODC (an engine without an optimizer is inference-only: frozen)."""
         return isinstance(self.optimizer, ODCStage3Optimizer)
+
+    @property
+    def odc_runtime(self) -> Optional[ODCRuntime]:
+        """This engine's ODC runtime: its transport, layout and step protocol (a frozen engine's only pulls)."""
+        if self.odc_trains:
+            return self.optimizer.odc
+        return self._odc.frozen.runtime if self._odc is not None and self._odc.frozen is not None else None
+
+    def destroy(self):
+        """DeepSpeed's; a frozen engine's parameters then go back to ZeRO-3's gathers and its session closes
+        (a training engine's optimizer releases its own)."""
+        try:
+            super().destroy()
+        finally:
+            frozen, self._odc.frozen = (self._odc.frozen, None) if self._odc is not None else (None, None)
+            if frozen is not None:
+                frozen.release()
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -147,12 +168,12 @@ class ODCEngine(DeepSpeedEngine):
     def odc_phase(self) -> Phase:
         """The step protocol's phase: IDLE, ACCUMULATING (gradients pushed since the last step), one
         of the step's phases, FAILED (the group failed: the engine refuses to continue) or CLOSED."""
-        return self.optimizer.odc.phase
+        return self.odc_runtime.phase
 
     @property
     def odc_last_step(self) -> Optional[StepTotals]:
         """Global micro-batch and token counts of the last optimizer step."""
-        return self.optimizer.odc.last_totals
+        return self.odc_runtime.last_totals
 
     # -- normalisation bookkeeping -----------------------------------------------------------------
     def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> _BackwardRule:
@@ -172,12 +193,15 @@ class ODCEngine(DeepSpeedEngine):
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):
         self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)), MicroBatchLedger())
+        if env_switch() is not None:
+            logger.info(f"ds_odc: {ENV_SWITCH}=odc runs this stage-3 engine on the odc stage, with options "
+                        f"{self._config._param_dict.get(MARKER_KEY)}")
         factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options, odc_ledger=self._odc.ledger)
         with swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", factory):
             built = super()._configure_zero_optimizer(optimizer)
-        if not isinstance(built, ODCStage3Optimizer):
-            logger.warning("odc stage: engine without an optimizer (inference only); parameter gathers stay "
-                           "ZeRO-3 collectives for this engine")
+        if not isinstance(built, ODCStage3Optimizer):  # no optimizer: a frozen model, which only pulls
+            self._odc.frozen = zero3_frozen.attach(built, self._odc.options, resolve_timeout_s(self._odc.options.timeout_s))
+            logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         return built
 
     def _backward_prologue_per_tensor(self, grad):

@@ -28,7 +28,7 @@ import functools
 from deepspeed.utils import logger
 from ds_odc_import_hooks import when_imported
 
-from ds_odc.config import MARKER_KEY, ODC_STAGE, canonicalize, is_odc_config
+from ds_odc.config import MARKER_KEY, ODC_STAGE, canonicalize, env_switch, is_odc_config, stage_three
 from ds_odc.integration import hf_trainer
 from ds_odc.integration.patching import PatchSet
 from ds_odc.integration.versions import untested_hf_release
@@ -39,11 +39,14 @@ _patches = PatchSet("accelerate reads an 'odc' ds_config as ZeRO-3")
 
 def mentions_odc(config) -> bool:
     """True for a ds_config dict with ``"stage": "odc"`` or an odc block (top level or under
-    ``zero_optimization``): the configs the patch canonicalises (or refuses, naming why)."""
+    ``zero_optimization``), or a stage-3 one while ``DS_ODC_STAGE3=odc``: the configs the patch canonicalises
+    (or refuses, naming why)."""
     if not isinstance(config, dict):
         return False
     zero = config.get("zero_optimization")
-    return MARKER_KEY in config or (isinstance(zero, dict) and (zero.get("stage") == ODC_STAGE or MARKER_KEY in zero))
+    if MARKER_KEY in config or (isinstance(zero, dict) and (zero.get("stage") == ODC_STAGE or MARKER_KEY in zero)):
+        return True
+    return stage_three(config) and env_switch() is not None
 
 
 @functools.cache

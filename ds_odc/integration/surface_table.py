@@ -60,6 +60,7 @@ OPTIONAL_PACKAGES = ("accelerate", "transformers")
 # The files that use the names.
 _OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zero3_params.py"
 _WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/checkpoints.py"
+_FROZEN = "ds_odc/integration/zero3_frozen.py"
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
 _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
@@ -221,8 +222,10 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, "IPGBucketZ3", "process_group", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
     # -- deepspeed.runtime.zero: parameter offload, coordinator, parameter status ------------------------
     PrivateName("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "get_param_coordinator",
-                Kind.METHOD, f"{_OPT}, {_METRICS}",
+                Kind.METHOD, f"{_OPT}, {_METRICS}, {_FROZEN}",
                 "the coordinator whose trace check is skipped and whose fetches are timed"),
+    PrivateName("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "module", Kind.INSTANCE_ATTRIBUTE,
+                _FROZEN, "a frozen engine's partitioned parameters", found_in="__init__"),
     PrivateName(_COORD, None, "assert_ints_same_as_other_ranks", Kind.MODULE_ATTRIBUTE, _PARAMS,
                 "swapped for a gate that skips the trace check on ODC coordinators"),
     PrivateName(_COORD, "PartitionedParameterCoordinator", "assert_ints_same_as_other_ranks", Kind.CALL_TIME_LOOKUP,
@@ -238,10 +241,11 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_PP, "ZeroParamStatus", "NOT_AVAILABLE", Kind.CLASS_ATTRIBUTE, f"{_OPT}, {_PARAMS}",
                 "only released parameters are pulled"),
     # -- attributes Init attaches to every partitioned parameter -----------------------------------------
-    _parameter_attribute("ds_id", f"{_OPT}, {_PARAMS}", "the window slot of the parameter"),
-    _parameter_attribute("ds_numel", f"{_WINDOWS}, {_PARAMS}", "full size of a pull"),
+    _parameter_attribute("ds_id", f"{_OPT}, {_PARAMS}, {_FROZEN}", "the window slot of the parameter"),
+    _parameter_attribute("ds_numel", f"{_WINDOWS}, {_PARAMS}, {_FROZEN}", "full size of a pull"),
     _parameter_attribute("ds_shape", _PARAMS, "shape of a pulled parameter"),
-    _parameter_attribute("ds_tensor", f"{_WINDOWS}, {_PARAMS}, {_CKPT}", "this rank's shard, moved into the window"),
+    _parameter_attribute("ds_tensor", f"{_WINDOWS}, {_PARAMS}, {_CKPT}, {_FROZEN}",
+                         "this rank's shard, moved into the window"),
     _parameter_attribute("ds_status", f"{_OPT}, {_PARAMS}", "pull state"),
     _parameter_attribute("partition_numel", _WINDOWS, "shard size in the window layout"),
     _parameter_attribute("ds_summary", _PARAMS, "names the parameter in an error"),
@@ -251,13 +255,22 @@ SURFACE: tuple[PrivateName, ...] = (
     # -- torch.distributed: the process group's timeout --------------------------------------------------
     PrivateName("torch.distributed.distributed_c10d", None, "_get_default_group", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
                 "the world process group"),
+    PrivateName("torch.distributed.distributed_c10d", None, "_get_default_store", Kind.MODULE_ATTRIBUTE, _INIT,
+                "the job's store, where ranks agree on the odc stage before DeepSpeed's first collective"),
     PrivateName("torch.distributed", "ProcessGroup", "_get_backend", Kind.METHOD, _TIMEOUTS,
                 "the group's CPU backend"),
     PrivateName("torch._C._distributed_c10d", "ProcessGroupGloo", "options", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
                 "the backend's options"),
     PrivateName("torch._C._distributed_c10d", "Backend.Options", "_timeout", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
                 "the bound for a silent peer; DeepSpeed's default without it"),
+    PrivateName("deepspeed.launcher.runner", None, "EXPORT_ENVS", Kind.MODULE_ATTRIBUTE,
+                "ds_odc/integration/launcher.py", "the prefixes the launcher exports to other nodes; DS_ODC_ added"),
+    PrivateName("deepspeed.launcher.runner", None, "EXPORT_ENVS", Kind.CALL_TIME_LOOKUP,
+                "ds_odc/integration/launcher.py", "read when the launcher starts the nodes", found_in="main"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
+    PrivateName("accelerate.utils.dataclasses", "DeepSpeedPlugin", "ACCELERATE_DEEPSPEED_ZERO_STAGE", Kind.FILE_NAME,
+                "ds_odc_autoload.py", "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
+                found_in="__post_init__"),
     PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
                 f"{_HF}, ds_odc_autoload.py", "patched: canonicalises a config that mentions 'odc' first (any other "
                 "goes straight to it)"),
@@ -344,6 +357,12 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "transformers.trainer is imported (never in a job that does not use ODC)", "the only place every "
                 "Trainer passes through; it binds ODC behaviour on the instances whose config asks for it, and leaves "
                 "the class and every other Trainer exactly as transformers has them", _TRAINER),
+    ProcessWide("ACCELERATE_DEEPSPEED_ZERO_STAGE=odc rewritten to 3, with DS_ODC_STAGE3=odc set",
+                "the process and its children (only when the variable says odc)", "accelerate calls int() on it; "
+                "axolotl exports there the stage it is given", "ds_odc_autoload.py"),
+    ProcessWide("deepspeed.launcher.runner.EXPORT_ENVS gains DS_ODC_", "the launcher process",
+                "the environment switch must reach the ranks of every node the launcher starts",
+                "ds_odc/integration/launcher.py"),
     ProcessWide("sys.excepthook chained", "while ODC engines live (restored when the last one closes)",
                 "an uncaught exception reaches the peers as that exception, not as a bare exit",
                 "ds_odc/runtime/crash.py"),

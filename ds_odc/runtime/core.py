@@ -144,6 +144,10 @@ class ODCRuntime:
         """The optimizer step: fence, norm, ``update``, publish (see :mod:`ds_odc.runtime.step`)."""
         return self.protocol.step(update)
 
+    def open(self) -> None:
+        """The open round now rather than at the first pull, push or round (see :meth:`StepProtocol.open`)."""
+        self.protocol.open()
+
     def windows_rewritten(self, what: str) -> None:
         """Every rank rewrote its own shards outside a step (a checkpoint load, GatheredParameters):
         meet, so that no rank pulls before every owner has finished writing."""

@@ -304,6 +304,12 @@ class StepProtocol:
             self.round(RoundKind.DISCARD, empty, what)
         self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)
 
+    def open(self) -> None:
+        """Run the open round now (collective; a no-op once it ran): an engine that has no later point where
+        every rank is sure to meet (a frozen model, which only pulls) opens while every rank builds it."""
+        self._usable()
+        self._open()
+
     def _open(self) -> None:
         """The open round, once, before this rank's first pull, push, step or round."""
         if self.opened:

@@ -154,6 +154,12 @@ def _deepspeed_problems(cfg: dict, zero: dict, odc_options: dict) -> List[Altern
     return found
 
 
+def asks_for_odc(cfg: dict) -> bool:
+    """``"stage": "odc"``, or the marker form (an odc block next to stage 3)."""
+    zero = cfg["zero_optimization"]
+    return zero.get("stage") == "odc" or ("odc" in zero and zero.get("stage") in (3, "3"))
+
+
 def expectation(cfg: dict) -> Expectation:
     """The oracle: what ``deepspeed.initialize(model, config=cfg)`` must do with 2 CPU ranks."""
     zero = cfg["zero_optimization"]
@@ -161,11 +167,11 @@ def expectation(cfg: dict) -> Expectation:
     # 1. the stage value (ds_odc.config._check_stage_value)
     if isinstance(stage, str) and stage not in ("odc", "auto") and not _is_digit_stage(stage):
         return _odc("zero_optimization.stage")
-    if "odc" in zero and stage != "odc":
+    if "odc" in zero and stage not in ("odc", 3, "3"):
         return _odc("zero_optimization.odc")
     if "odc" in cfg and stage not in (3, "3", "odc"):
         return _odc("zero_optimization.stage")
-    odc_stage = stage == "odc"
+    odc_stage = asks_for_odc(cfg)
     options = zero.get("odc") if odc_stage else None
     # 2. the options, every bad one named
     if odc_stage:
@@ -234,7 +240,7 @@ def problems_of(cfg: dict, expect: Expectation, records: List[dict]) -> List[str
             if record["outcome"] != "ok":
                 problems.append(f"{where}: a valid config failed in {record['phase']}:\n{record['traceback']}")
                 continue
-            wanted_engine = "ODCEngine" if cfg["zero_optimization"]["stage"] == "odc" else "DeepSpeedEngine"
+            wanted_engine = "ODCEngine" if asks_for_odc(cfg) else "DeepSpeedEngine"
             bf16 = cfg.get("bf16", {}).get("enabled") is True
             if (record["engine"], record["global_steps"], record["losses_finite"], record["dtype"]) != (
                     wanted_engine, 1, True, "torch.bfloat16" if bf16 else "torch.float32"):

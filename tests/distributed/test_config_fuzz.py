@@ -99,7 +99,7 @@ def _odc_values(private_shm_dir: str) -> dict:
 FAULTS = (
     ["odc." + name for name in ODC_FIELDS] +
     ["odc.cuda_ipc", "odc.unknown_key", "odc.enabled", "odc.not_a_dict",
-     "stage.misspelt", "stage.options_with_stage_3", "stage.marker_with_other_stage",
+     "stage.misspelt", "stage.options_with_other_stage", "stage.marker_with_other_stage",
      "compat.offload_param", "compat.offload_optimizer", "compat.hpz", "compat.quantized_weights",
      "compat.quantized_nontrainable", "compat.mics", "compat.fp16", "compat.autotp", "compat.tensor_parallel_type",
      "compat.sequence_parallel",
@@ -269,11 +269,13 @@ def ds_configs(draw, private_shm_dir: str, forced: Tuple[str, ...]):
             zero["odc"] = options if options or draw(st.booleans()) else None
         if "odc.not_a_dict" in faults:
             zero["odc"] = draw(st.sampled_from([[1], "shm", 5, True, [{"timeout_s": 5}]]))
+        if "odc" in zero and draw(st.integers(0, 2)) == 0:  # the marker form: the odc block next to stage 3
+            zero["stage"] = draw(st.sampled_from([3, "3"]))
         if "stage.misspelt" in faults:
             zero["stage"] = draw(st.sampled_from(MISSPELT_STAGES) | st.text(string.ascii_letters + " _-", max_size=6)
                                  .filter(lambda s: s not in ("odc", "auto")))
-        if "stage.options_with_stage_3" in faults:
-            zero["stage"] = draw(st.sampled_from([3, "3"]))
+        if "stage.options_with_other_stage" in faults:
+            zero["stage"] = draw(st.sampled_from([0, 1, 2, "2"]))
             zero.setdefault("odc", {})
         if "stage.marker_with_other_stage" in faults:  # the canonical form's top-level marker, wrong stage
             zero["stage"] = draw(st.sampled_from([0, 1, 2]))

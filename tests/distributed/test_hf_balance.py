@@ -117,16 +117,25 @@ def test_sft_trainer_with_balance_equals_zero3_and_a_single_process(tmp_path, pa
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
 
 
-def test_a_balance_block_on_stage_3_is_refused_at_training_arguments(tmp_path):
+def test_a_balance_block_next_to_stage_3_is_the_marker_form_and_one_next_to_stage_2_is_refused(tmp_path):
+    """An odc block next to ``"stage": 3`` asks for the odc stage (the marker form: transformers and accelerate
+    keep seeing stage 3); next to another stage it is refused at TrainingArguments, naming the field."""
     import ds_odc  # noqa: F401  (what the autoload does in a user's script)
     from transformers import TrainingArguments
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     from ds_odc.errors import ODCConfigError
     from tests.distributed.hf_balance_workloads import balance_ds_config
 
     config = balance_ds_config(3, None)
     config["zero_optimization"]["odc"] = {"balance": LB_MINI}
-    with pytest.raises(ODCConfigError, match="equal counts"):
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, use_cpu=True, report_to="none")
+    ds_config = args.hf_deepspeed_config.config
+    assert is_deepspeed_zero3_enabled() and ds_config["zero_optimization"]["stage"] == 3
+    assert ds_config["odc"]["balance"]["token_cap"] == LB_MINI["token_cap"]
+    config = balance_ds_config(3, None)
+    config["zero_optimization"].update(stage=2, odc={"balance": LB_MINI})
+    with pytest.raises(ODCConfigError, match=r"zero_optimization\.odc is set but zero_optimization\.stage=2"):
         TrainingArguments(output_dir=str(tmp_path), deepspeed=config, use_cpu=True, report_to="none")
 
 

@@ -73,7 +73,55 @@ def test_bad_balance_options_name_the_field(balance, field):
         parse_options({"balance": balance})
 
 
-def test_balance_next_to_stage_3_is_refused_saying_why():
-    config = {"zero_optimization": {"stage": 3, "odc": {"balance": {"token_cap": 64}}}}
-    with pytest.raises(ODCConfigError, match=r"balance .*stage=3.*same number|balance.*equal counts"):
-        canonicalize(config)
+def test_the_marker_form_asks_for_odc_and_every_stage_check_keeps_seeing_3():
+    """``"stage": 3`` plus an odc block under ``zero_optimization`` (for frameworks that compare the stage
+    with 3 themselves): the canonical form, the stage never leaving 3, balance included."""
+    config = {"zero_optimization": {"stage": 3, "odc": {"timeout_s": 9, "balance": {"token_cap": 64}}}}
+    assert is_odc_config(config)
+    options = canonicalize(config)
+    assert options.timeout_s == 9.0 and options.balance.token_cap == 64
+    assert config["zero_optimization"] == {"stage": 3} and config["odc"]["timeout_s"] == 9.0
+    assert canonicalize(config) == options  # idempotent
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, "2"])
+def test_odc_options_next_to_another_stage_are_refused_naming_the_field(stage):
+    with pytest.raises(ODCConfigError, match=r"zero_optimization\.odc is set but zero_optimization\.stage="):
+        canonicalize({"zero_optimization": {"stage": stage, "odc": {"balance": {"token_cap": 64}}}})
+
+
+def test_the_environment_switch_makes_a_stage_3_config_ask_for_odc(monkeypatch):
+    monkeypatch.setenv("DS_ODC_STAGE3", "odc")
+    monkeypatch.setenv("DS_ODC_OPTIONS", '{"timeout_s": 11}')
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10}}
+    assert not is_odc_config(config)  # the dict alone does not ask
+    assert canonicalize(config).timeout_s == 11.0
+    assert config["zero_optimization"]["stage"] == 3 and config["odc"] == {"timeout_s": 11.0}
+    for other in ({"zero_optimization": {"stage": 2}}, {"train_batch_size": 4}):  # only stage-3 configs
+        assert canonicalize(other) is None and "odc" not in other
+
+
+@pytest.mark.parametrize("value,options,match", [
+    ("ODC3", None, "DS_ODC_STAGE3='ODC3'"),
+    ("odc", "{timeout_s: 1}", "DS_ODC_OPTIONS=.* is not JSON"),
+    ("odc", "[1]", "DS_ODC_OPTIONS=.*JSON object"),
+    ("odc", '{"timeout": 1}', r"zero_optimization\.odc\.timeout"),
+])
+def test_a_bad_environment_switch_is_refused_naming_the_variable(monkeypatch, value, options, match):
+    monkeypatch.setenv("DS_ODC_STAGE3", value)
+    if options is not None:
+        monkeypatch.setenv("DS_ODC_OPTIONS", options)
+    with pytest.raises(ODCConfigError, match=match):
+        canonicalize({"zero_optimization": {"stage": 3}})
+
+
+def test_what_the_switch_asks_for_and_odc_cannot_honour_is_refused_saying_the_variable_asked(monkeypatch):
+    monkeypatch.setenv("DS_ODC_STAGE3", "odc")
+    with pytest.raises(ODCConfigError, match=r"offload_param.*DS_ODC_STAGE3=odc asked for the odc stage"):
+        canonicalize({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "no", "false"])
+def test_the_switch_off_leaves_stage_3_alone(monkeypatch, value):
+    monkeypatch.setenv("DS_ODC_STAGE3", value)
+    assert canonicalize({"zero_optimization": {"stage": 3}}) is None

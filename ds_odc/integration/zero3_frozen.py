@@ -1,0 +1,78 @@
+"""Frozen engines on ODC: an engine without an optimizer pulls one-sided too.
+
+A reference or reward model (TRL's ``prepare_deepspeed``, OpenRLHF's reference/reward engines, any
+``deepspeed.initialize`` without an optimizer) is, on ZeRO-3, a ``DeepSpeedZeRoOffload``: ZeRO-3's
+partitioning, module hooks and coordinator, whose gathers are collectives. Ranks that run different
+numbers of micro-batches call it different numbers of times, so with parameters released after use (any
+model of real size) one rank waits inside the reference model's all-gather while its peer waits at the
+policy's step: a hang until the timeout.
+
+Here such an engine gets a session of its own (:func:`ds_odc.runtime.open_session`) whose windows hold
+only frozen shards (no accumulator, nothing to step): every parameter's shard moves into this rank's
+window, and every gather becomes a one-sided pull (:mod:`ds_odc.integration.zero3_params`), with
+ZeRO-3's own release, prefetch and persistence settings untouched. The open round runs at once, while
+every rank is inside ``initialize``, so a forward never meets another rank: uneven forward counts just
+work. Memory: the window replaces ZeRO-3's shard; start-up adds the session's collectives and one round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_odc.config import ODCConfig
+from ds_odc.errors import ODCConfigError
+from ds_odc.integration import zero3_windows as windows
+from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
+from ds_odc.runtime import ODCRuntime, SessionPlan, Shard, open_session
+
+
+@dataclass
+class FrozenSession:
+    """The ODC session of one frozen engine: its runtime, and the ZeRO-3 object whose gathers it serves."""
+
+    runtime: ODCRuntime
+    offload: object  # DeepSpeed's DeepSpeedZeRoOffload
+
+    def republish(self, what: str) -> None:
+        """Every owner rewrote its shards (a checkpoint load): meet, so no rank pulls a half-written one."""
+        self.runtime.windows_rewritten(what)
+
+    def release(self) -> None:
+        """Gathers back to ZeRO-3's collectives, shards copied out of the window, the session closed."""
+        params = windows.partitioned_params(self.offload)
+        uninstall_pulls(params)
+        restore_trace_checks(self.offload.get_param_coordinator())
+        for param in params:
+            if param.ds_tensor is not None:
+                param.ds_tensor.data = param.ds_tensor.data.clone()
+        self.runtime.close()
+
+
+def attach(offload, options: ODCConfig, timeout_s: float) -> FrozenSession:
+    """Serve ``offload``'s (a ``DeepSpeedZeRoOffload``'s) gathers from an ODC session of frozen shards.
+    Collective: every rank builds its engine at the same point."""
+    params = sorted(windows.partitioned_params(offload), key=lambda p: p.ds_id)
+    if not params:
+        raise ODCConfigError("the odc stage found no partitioned parameter in a model without an optimizer")
+    dtypes = sorted({str(p.ds_tensor.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise ODCConfigError(f"the odc stage needs one dtype for every parameter of a model without an optimizer "
+                             f"(its window holds them all), found {', '.join(dtypes)}: cast the model first")
+    plan = SessionPlan(trainable=[], frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in params],
+                       compute_dtype=params[0].ds_tensor.dtype, device=str(params[0].ds_tensor.device),
+                       norm_groups=0, timeout_s=timeout_s, transport=options.transport, shm_dir=options.shm_dir,
+                       stripe_numel=options.accumulator_stripe_numel)
+    runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(offload, runtime))
+    try:
+        for param in params:
+            view = runtime.own_shard(param.ds_id)
+            view.copy_(param.ds_tensor.data.reshape(-1))
+            param.ds_tensor.data = view
+        runtime.open()  # now, while every rank is in initialize: no forward ever meets another rank
+    except BaseException:
+        for param in params:
+            param.ds_tensor.data = param.ds_tensor.data.clone()
+        runtime.close()
+        raise
+    install_pulls(runtime, params)
+    skip_trace_checks(offload.get_param_coordinator())
+    return FrozenSession(runtime, offload)
