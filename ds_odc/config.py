@@ -154,7 +154,8 @@ class ODCConfig(BaseModel):
 
 #: ZeRO options ODC cannot honour yet: (path in zero_optimization, predicate of "in use", why).
 _UNSUPPORTED_ZERO_OPTIONS = (
-    ("offload_param", lambda v: _offload_enabled(v), "parameter offload is not supported with the odc stage"),
+    ("offload_param", lambda v: isinstance(v, dict) and v.get("device") == "nvme",
+     "parameter offload to NVMe is not supported with the odc stage (\"device\": \"cpu\" is)"),
     ("offload_optimizer", lambda v: isinstance(v, dict) and v.get("device") == "nvme",
      "optimizer offload to NVMe is not supported with the odc stage (\"device\": \"cpu\" is)"),
     ("zero_hpz_partition_size", lambda v: v not in (None, 1), "hpZ secondary partitions are not supported"),
@@ -162,10 +163,6 @@ _UNSUPPORTED_ZERO_OPTIONS = (
     ("zero_quantized_nontrainable_weights", bool, "quantized weights are not supported"),
     ("mics_shard_size", lambda v: v not in (None, -1, 0), "MiCS is not supported with the odc stage"),
 )
-
-
-def _offload_enabled(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("device", "none") not in ("none", None)
 
 
 def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:

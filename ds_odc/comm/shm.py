@@ -88,7 +88,7 @@ class ShmTransport(Transport):
 
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         accumulator = self._grad_windows[owner]
-        grad = grad.reshape(-1)
+        grad = _on_host(grad).reshape(-1)
         for position, done, count in self._stripe_pieces(offset, grad.numel()):
             with self.push_guard(owner, position, count):
                 accumulator.narrow(0, position, count).add_(grad.narrow(0, done, count))
@@ -98,7 +98,7 @@ class ShmTransport(Transport):
         one unlock system call per stripe touched, instead of per piece), in stripe order."""
         pieces = defaultdict(list)  # (owner, stripe) -> [(position, source piece)]
         for transfer in pushes:
-            grad = transfer.tensor.reshape(-1)
+            grad = _on_host(transfer.tensor).reshape(-1)
             for position, done, count in self._stripe_pieces(transfer.offset, grad.numel()):
                 pieces[(transfer.owner, position // self.stripe_numel)].append((position, grad.narrow(0, done, count)))
         for (owner, stripe), adds in sorted(pieces.items(), key=lambda item: item[0]):
@@ -150,6 +150,11 @@ class ShmTransport(Transport):
         for lock in self._locks:
             lock.close()  # releases this process's locks only: its life lock, on its own file
         self._locks = []
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A gradient computed on a device, pushed into host windows (``offload_param`` on a GPU): copied first."""
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

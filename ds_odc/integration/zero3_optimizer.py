@@ -98,8 +98,6 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     # -- construction ------------------------------------------------------------------------------
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
-        if self.offload_param:
-            raise ODCConfigError("zero_optimization.offload_param is not supported with the odc stage")
         if getattr(self, "swap_optimizer", False):
             raise ODCConfigError("zero_optimization.offload_optimizer to NVMe is not supported with the odc stage")
         import deepspeed.comm as dist

@@ -23,6 +23,7 @@ import threading
 import weakref
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero import partitioned_param_coordinator as _ppc
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -61,7 +62,9 @@ def _pull_params(runtime, params) -> Completion:
     ``wait()``. Measured against one pull per parameter in docs/benchmarks.md ("Batched pulls")."""
     if not params:
         return COMPLETED
-    fulls = [torch.empty(p.ds_numel, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device) for p in params]
+    # on the compute device, as ZeRO-3 gathers (with offload_param the shards live in host memory)
+    device = get_accelerator().current_device_name()
+    fulls = [torch.empty(p.ds_numel, dtype=p.ds_tensor.dtype, device=device) for p in params]
     handle = runtime.pull_many([p.ds_id for p in params], fulls)
     for param, full in zip(params, fulls):
         param.data = full.view(param.ds_shape)

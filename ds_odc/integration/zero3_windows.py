@@ -29,36 +29,67 @@ def frozen_params(optimizer) -> list:
     return sorted((p for p in partitioned_params(optimizer) if not p.requires_grad), key=lambda p: p.ds_id)
 
 
+def _flat_shard_buffers(optimizer) -> list:
+    """ZeRO-3's flat buffers of this rank's trainable shards, in window order: one on the device, or with
+    ``offload_param`` one in host memory per parameter group (their sub-groups contiguous, in order)."""
+    if optimizer.offload_param:
+        return list(optimizer.param_groups_fp16_flat_cpu_memory)
+    return [optimizer.lp_param_buffer]
+
+
 def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan:
     """What this optimizer asks of an ODC session: its trainable shards in flat-buffer order, then the
-    frozen ones, in the compute dtype, on its device."""
+    frozen ones, in the compute dtype, where its shards live (host memory under ``offload_param``: the
+    windows are then host shared memory, and pulls copy to the device)."""
     trainable = [Shard(p.ds_id, p.ds_numel, p.partition_numel()) for group in optimizer.fp16_groups for p in group]
     frozen = frozen_params(optimizer)
-    compute_dtype = optimizer.lp_param_buffer.dtype
-    if sum(s.shard_numel for s in trainable) != optimizer.lp_param_buffer.numel():
+    buffers = _flat_shard_buffers(optimizer)
+    compute_dtype = buffers[0].dtype
+    if sum(s.shard_numel for s in trainable) != sum(b.numel() for b in buffers):
         raise RuntimeError("ZeRO-3 flat shard buffer does not match the ODC window layout")
     if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
         raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
     return SessionPlan(trainable=trainable, frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in frozen],
-                       compute_dtype=compute_dtype, device=str(optimizer.lp_param_buffer.device),
+                       compute_dtype=compute_dtype, device=str(buffers[0].device),
                        norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
                        accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype])
 
 
 def adopt_param_window(optimizer, runtime: ODCRuntime) -> None:
-    """The flat shard buffer and every frozen shard move into this rank's parameter window."""
+    """The flat shard buffer(s) and every frozen shard move into this rank's parameter window."""
     trainable = runtime.own_trainable_shards()
-    trainable.copy_(optimizer.lp_param_buffer)
-    optimizer.lp_param_buffer = trainable
-    optimizer.fp16_partitioned_groups_flat = []
-    optimizer._set_fp16_partitioned_groups_flat()
-    for sub_group_id in range(len(optimizer.fp16_groups)):
-        optimizer._unflatten_partitioned_parameters(sub_group_id)
+    if optimizer.offload_param:
+        _adopt_offloaded(optimizer, trainable)
+    else:
+        trainable.copy_(optimizer.lp_param_buffer)
+        optimizer.lp_param_buffer = trainable
+        optimizer.fp16_partitioned_groups_flat = []
+        optimizer._set_fp16_partitioned_groups_flat()
+        for sub_group_id in range(len(optimizer.fp16_groups)):
+            optimizer._unflatten_partitioned_parameters(sub_group_id)
     for param in frozen_params(optimizer):
         view = runtime.own_shard(param.ds_id)
         view.copy_(param.ds_tensor.data.reshape(-1))
         param.ds_tensor.data = view
+
+
+def _adopt_offloaded(optimizer, trainable) -> None:
+    """``offload_param``: each parameter group's host buffer becomes its slice of the window, and each
+    sub-group's shards are moved into it as ZeRO-3 moved them into its own buffer (``_move_to_flat_buffer``)."""
+    groups, offset = [], 0
+    for buffer in optimizer.param_groups_fp16_flat_cpu_memory:
+        groups.append(trainable.narrow(0, offset, buffer.numel()))
+        offset += buffer.numel()
+    flats, offset = [], 0
+    for sub_group in optimizer.fp16_groups:
+        numel = sum(p.partition_numel() for p in sub_group)
+        flat = trainable.narrow(0, offset, numel)
+        optimizer._move_to_flat_buffer(sub_group, flat, avoid_copy=False)
+        flats.append(flat)
+        offset += numel
+    optimizer.fp16_partitioned_groups_flat = flats
+    optimizer.param_groups_fp16_flat_cpu_memory = groups
 
 
 def adopt_accumulator(optimizer, runtime: ODCRuntime) -> None:
@@ -102,6 +133,7 @@ def release_windows(optimizer) -> None:
         if param.ds_tensor is not None:
             param.ds_tensor.data = param.ds_tensor.data.clone()
     optimizer.lp_param_buffer = None
+    optimizer.param_groups_fp16_flat_cpu_memory = []
     optimizer.fp16_partitioned_groups_flat = []
     optimizer.grad_partitions_flat_buffer = None
     getattr(optimizer, GRAD_PARTITIONS, {}).clear()

@@ -78,13 +78,10 @@ def _odc_option_problems(options) -> List[str]:
 
 def _zero3_unsupported(zero: dict, cfg: dict) -> Optional[Expectation]:
     """What the odc stage rejects although ZeRO-3 has it, in the order ds_odc checks it."""
-    def offload_on(value):
-        return isinstance(value, dict) and value.get("device", "none") not in ("none", None)
-
     def nvme(value):
         return isinstance(value, dict) and value.get("device") == "nvme"
 
-    in_use = (("offload_param", offload_on), ("offload_optimizer", nvme),
+    in_use = (("offload_param", nvme), ("offload_optimizer", nvme),
               ("zero_hpz_partition_size", lambda v: v not in (None, 1)), ("zero_quantized_weights", bool),
               ("zero_quantized_nontrainable_weights", bool), ("mics_shard_size", lambda v: v not in (None, -1, 0)))
     for key, used in in_use:

@@ -178,3 +178,26 @@ def norm_groups_before_step(stage):
     seen["params"] = full_params(engine)
     engine.destroy()
     return seen
+
+
+def offload_param_training(stage, counts, steps=3, optimizer_offload=True):
+    """``offload_param: {"device": "cpu"}`` (what every framework's ZeRO-3 offload config sets, usually with
+    ``offload_optimizer`` too), Adam, unmanaged accumulation: rank r runs ``counts[r]`` micro-batches a step.
+    Returns the parameters after each step, and where this rank's shards live."""
+    zero = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    if optimizer_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(stage, gas=1, managed=False, **zero))
+    rank = tdist.get_rank()
+    params = []
+    for step in range(steps):
+        for index in range(counts[rank]):
+            x, y, _ = micro_batch(step, rank, index)
+            engine.backward(mse_mean(engine(x), y))
+        engine.step()
+        params.append(full_params(engine))
+    runtime = getattr(engine, "odc_runtime", None)
+    shards_in_window = runtime is not None and all(
+        p.ds_tensor.data_ptr() == runtime.own_shard(p.ds_id).data_ptr() for p in engine.module.parameters())
+    engine.destroy()
+    return {"params": params, "shards_in_window": shards_in_window}

@@ -199,12 +199,9 @@ def ds_configs(draw, private_shm_dir: str, forced: Tuple[str, ...]):
             zero[flag] = draw(st.booleans())
     for key in ("offload_param", "offload_optimizer"):
         if f"compat.{key}" in faults:
-            refused = [{"device": "nvme", "nvme_path": "/tmp"}]  # optimizer offload to the host is supported
-            if key == "offload_param":
-                refused += [{"device": "cpu"}, {"device": "cpu", "pin_memory": True}]
-            zero[key] = draw(st.sampled_from(refused))
+            zero[key] = {"device": "nvme", "nvme_path": "/tmp"}  # offload to the host is supported, NVMe is not
         elif draw(st.booleans()):
-            zero[key] = draw(st.sampled_from([{"device": "none"}, "auto"]))
+            zero[key] = draw(st.sampled_from([{"device": "none"}, "auto", {"device": "cpu"}]))
     if "ds.offload_not_dict" in faults:
         zero[draw(st.sampled_from(["offload_param", "offload_optimizer"]))] = draw(st.sampled_from(["cpu", ["cpu"], 1]))
     if "compat.hpz" in faults:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.distributed import contract_workloads as contracts
-from tests.distributed.compare import assert_close_nested
+from tests.distributed.compare import assert_close_nested, worst_rel_diff
 from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import make_model, micro_batch, mse_mean
+from tests.distributed.workloads import make_model, micro_batch, mse_mean, reference_training
 
 
 def _both(fn, *args):
@@ -100,3 +100,22 @@ def test_gradient_norms_read_between_backward_and_step_equal_zero3():
     for rank in range(2):
         assert odc[rank]["clamped"][0] < odc[rank]["before"][0]
         assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["with-optimizer-offload", "parameters-only"])
+def test_parameter_offload_steps_as_zero3_with_the_same_offload(optimizer_offload):
+    """``offload_param: {"device": "cpu"}``: the shards live in the (host) windows and every step equals
+    ZeRO-3's with the same offload."""
+    zero3 = run_ranks(contracts.offload_param_training, 2, 3, (2, 2), 3, optimizer_offload)
+    odc = run_ranks(contracts.offload_param_training, 2, "odc", (2, 2), 3, optimizer_offload)
+    for rank in range(2):
+        assert odc[rank]["shards_in_window"] and not zero3[rank]["shards_in_window"]
+        for ours, theirs in zip(odc[rank]["params"], zero3[rank]["params"], strict=True):
+            assert worst_rel_diff(ours, theirs) <= 1e-6
+
+
+def test_parameter_offload_with_uneven_counts_equals_one_process():
+    odc = run_ranks(contracts.offload_param_training, 2, "odc", (3, 1))
+    expected = reference_training("unmanaged", (3, 1))
+    for rank in range(2):
+        assert worst_rel_diff(odc[rank]["params"][-1], expected) <= 1e-5

@@ -37,6 +37,7 @@ def test_bad_options_name_the_field(options, field):
 
 @pytest.mark.parametrize("zero,field", [
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "zero_optimization.offload_optimizer"),
+    ({"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "zero_optimization.offload_param"),
     ({"zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size"),
     ({"mics_shard_size": 2}, "zero_optimization.mics_shard_size"),
 ])
@@ -45,8 +46,9 @@ def test_unsupported_zero_features_are_rejected(zero, field):
         canonicalize({"zero_optimization": {"stage": "odc", **zero}})
 
 
-def test_offload_device_none_is_fine():
-    assert canonicalize({"zero_optimization": {"stage": "odc", "offload_param": {"device": "none"}}}) is not None
+@pytest.mark.parametrize("device", ["none", "cpu"])
+def test_parameter_offload_to_the_host_is_fine(device):
+    assert canonicalize({"zero_optimization": {"stage": "odc", "offload_param": {"device": device}}}) is not None
 
 
 def test_balance_block_parses_each_cost_model():
@@ -117,8 +119,8 @@ def test_a_bad_environment_switch_is_refused_naming_the_variable(monkeypatch, va
 
 def test_what_the_switch_asks_for_and_odc_cannot_honour_is_refused_saying_the_variable_asked(monkeypatch):
     monkeypatch.setenv("DS_ODC_STAGE3", "odc")
-    with pytest.raises(ODCConfigError, match=r"offload_param.*DS_ODC_STAGE3=odc asked for the odc stage"):
-        canonicalize({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(ODCConfigError, match=r"zero_hpz_partition_size.*DS_ODC_STAGE3=odc asked for the odc stage"):
+        canonicalize({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
 
 
 @pytest.mark.parametrize("value", ["", "0", "off", "no", "false"])
