@@ -33,7 +33,7 @@ def test_bad_configs_fail_at_initialize_naming_the_field():
         ("unknown_key", ds_config("odc", odc={"timout_s": 3})),
         ("bad_value", ds_config("odc", odc={"timeout_s": -1})),
         ("bad_transport", ds_config("odc", odc={"transport": "carrier-pigeon"})),
-        ("offload", ds_config("odc", offload_param={"device": "cpu"})),
+        ("offload", ds_config("odc", offload_param={"device": "nvme", "nvme_path": "/tmp"})),
         ("fp16", {**ds_config("odc"), "fp16": {"enabled": True}}),
         ("good", ds_config("odc", odc={"timeout_s": 3})),
     ]
