@@ -2,7 +2,7 @@
 
 Every rank owns one block (a few KiB of shared memory) that it alone writes and every peer reads::
 
-    header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag
+    header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag, forwards
     failure  length, record bytes                             (the group's poison record, comm/failure.py)
     slot 0   seq, step, kind, length, payload[width]           (rendezvous rounds of even seq)
     slot 1   seq, step, kind, length, payload[width]           (odd seq)
@@ -27,9 +27,9 @@ import torch
 from ds_odc.comm.failure import RECORD_BYTES, FailureRecord
 from ds_odc.comm.wording import NUMBERS, Wording
 
-MAGIC = 0x0DC0_0003  # layout version: a block of another layout is refused, not misread
+MAGIC = 0x0DC0_0004  # layout version: a block of another layout is refused, not misread
 # header words
-W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED = range(8)
+W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED, W_FORWARDS = range(9)
 HEADER_WORDS = 16
 FAILURE_AT = HEADER_WORDS  # nbytes, then the record's bytes
 SLOTS_AT = FAILURE_AT + 1 + RECORD_BYTES // 8
@@ -115,6 +115,15 @@ class ControlBlock:
 
     def pid(self) -> int:
         return int(self.words[W_PID])
+
+    # -- sequence-parallel lockstep (ds_odc.runtime.lockstep) ----------------------------------------
+    def set_forwards(self, count: int) -> None:
+        """The number of forwards this rank has begun, published with a release store: its SP peers
+        start theirs only once they see it (they are paired by the collectives inside)."""
+        self.ordering.store_release(self.words, W_FORWARDS, count)
+
+    def forwards(self) -> int:
+        return self.ordering.load_acquire(self.words, W_FORWARDS)
 
     # -- rendezvous slots ----------------------------------------------------------------------------
     def _slot(self, parity: int) -> int:

@@ -11,36 +11,23 @@ slots suffice: a rank can start round ``seq + 2`` only after every rank has *arr
 Every peer's header is compared with this rank's: a peer at the same ``seq`` with another step,
 kind or length is an error on both sides, naming both (ranks called different things: one
 ``engine.step()`` more on one rank, a checkpoint saved by one rank only), instead of reading counts
-as norms. While waiting, the rank also watches every pending peer for
-
-* a **failure record** (the peer, or a rank it heard from, failed): raised at once, naming the
-  origin, its error and where it happened;
-* **death** (its life lock is free): raised within :data:`LIVENESS_PERIOD_S`;
-* **closing** (``engine.destroy()``) while others still wait for it;
-* **no progress** for ``timeout_s`` (no heartbeat, activity or round change): a peer that is
-  merely slow keeps beating and is waited for.
+as norms. While waiting, the rank watches every pending peer (:class:`~ds_odc.comm.peer_watch.PeerWatch`):
+a failure record, death, closing, or no progress for ``timeout_s``.
 
 A failed round is final: the rendezvous refuses further rounds (a retried round would pair with
 whatever round the peers are in).
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
 from ds_odc.comm.backoff import Backoff
-from ds_odc.comm.control import ControlPlane, State
-from ds_odc.comm.failure import FailureKind, FailureRecord
-from ds_odc.errors import ODCPeerError, ODCTimeoutError
-
-#: How often a waiting rank checks that the peers it waits for are alive.
-LIVENESS_PERIOD_S = 0.05
-TIMEOUT_HINT = ("A rank busy with long host-side work between backward and engine.step() (evaluation, logging, "
-                "saving) needs a longer bound: set zero_optimization.odc.timeout_s (seconds), or the process-group "
-                "timeout it follows by default (deepspeed.init_distributed(timeout=...), or DEEPSPEED_TIMEOUT in "
-                "minutes).")
+from ds_odc.comm.control import ControlPlane
+from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.peer_watch import PeerWatch
+from ds_odc.errors import ODCPeerError
 
 
 class Rendezvous:
@@ -81,9 +68,7 @@ class Rendezvous:
         plane, parity = self.plane, seq % 2
         here = f"rank {plane.job_rank(plane.rank)} was at round {seq} ({what}, step {step})"
         pending = plane.peers()
-        marks = {r: plane.blocks[r].progress_mark() for r in pending}
-        last_progress = dict.fromkeys(pending, time.monotonic())
-        next_check = time.monotonic() + LIVENESS_PERIOD_S
+        watch = PeerWatch(plane, pending, self.timeout_s, step, here)
         backoff = Backoff()
         while True:
             still = []
@@ -94,13 +79,10 @@ class Rendezvous:
                 else:
                     still.append(r)
             pending = still
-            self._raise_on_failures(range(plane.world_size) if not pending else pending, here)
+            watch.raise_on_failures(range(plane.world_size) if not pending else pending)
             if not pending:
                 return
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + LIVENESS_PERIOD_S
-                self._check_pending(pending, marks, last_progress, now, here, step)
+            watch.poll(pending)
             backoff.sleep()
 
     def _check_header(self, peer: int, theirs: tuple, mine: tuple, seq: int, here: str) -> None:
@@ -111,40 +93,5 @@ class Rendezvous:
         message = (f"{self.plane.describe(peer)} is at round {seq} ({kind_text}, step {step}, {n} values) "
                    f"where {here.replace('was at', 'is at')} with {mine[2]} values: the ranks called different things "
                    "(e.g. engine.step() or save_checkpoint() on some ranks only, or a different number of times)")
-        self._fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text,
-                                          "rounds out of step: " + message))
-
-    def _raise_on_failures(self, ranks, here: str) -> None:
-        for r in ranks:
-            if r == self.plane.rank:
-                continue
-            state = self.plane.blocks[r].state()
-            if state == State.FAILED:
-                record = self.plane.blocks[r].read_failure()
-                self._fail(f"{record.describe()}; {here} (reported by {self.plane.describe(r)})", record)
-
-    def _check_pending(self, pending, marks, last_progress, now: float, here: str, step: int) -> None:
-        plane = self.plane
-        for r in pending:
-            block = plane.blocks[r]
-            if block.state() == State.CLOSED:
-                record = FailureRecord(plane.job_rank(r), step, "its peers waited for it",
-                                       "closed its engine (engine.destroy())", FailureKind.CLOSED)
-                self._fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {here}", record)
-            if not plane.alive(r):
-                record = FailureRecord(plane.job_rank(r), step, plane.activity_text(r),
-                                       "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
-                self._fail(f"{plane.describe(r)} {record.error} while {record.where}; {here}", record)
-            mark = block.progress_mark()
-            if mark != marks[r]:
-                marks[r], last_progress[r] = mark, now
-        stalled = [r for r in pending if now - last_progress[r] > self.timeout_s]
-        if stalled:
-            r = stalled[0]
-            record = FailureRecord(plane.job_rank(r), step, plane.activity_text(r),
-                                   f"made no progress for {self.timeout_s:.0f}s", FailureKind.STALLED)
-            message = f"{plane.describe(r)} {record.error}; it was last {record.where}; {here}. {TIMEOUT_HINT}"
-            self._fail(message, record, timeout=True)
-
-    def _fail(self, message: str, record: FailureRecord, timeout: bool = False) -> None:
-        raise (ODCTimeoutError if timeout else ODCPeerError)(message, record)
+        PeerWatch.fail(message, FailureRecord(self.plane.job_rank(peer), step, kind_text,
+                                              "rounds out of step: " + message))

@@ -27,6 +27,7 @@ listed in :mod:`ds_odc.integration.surface`:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -39,11 +40,12 @@ from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError
-from ds_odc.integration import checkpoints, zero3_frozen
+from ds_odc.integration import checkpoints, sequence_parallel, zero3_frozen
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
 from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, Phase, StepTotals
+from ds_odc.runtime.lockstep import SequenceParallelLockstep
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class _EngineState:
     pending_tokens: Optional[int] = None  # set_loss_tokens() before the next backward
     in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
     frozen: Optional[zero3_frozen.FrozenSession] = None  # an engine without an optimizer: its pulls
+    lockstep: Optional[SequenceParallelLockstep] = None  # Ulysses SP: the ranks of a group run the same forwards
 
 
 class ODCEngine(DeepSpeedEngine):
@@ -138,14 +141,28 @@ class ODCEngine(DeepSpeedEngine):
         optimizer = self.optimizer
         seen = optimizer.odc_gradients_seen
         try:
-            result = super().backward(loss, retain_graph=retain_graph,
-                                      scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
+            with self._odc_collectives("backward"):
+                result = super().backward(loss, retain_graph=retain_graph,
+                                          scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
         except BaseException as err:
             if optimizer.odc_gradients_seen != seen:
                 optimizer.odc.fail(err, "backward (part of its gradients already reached the owners)")
             raise
         optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
         return result
+
+    def forward(self, *inputs, **kwargs):
+        """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep
+        (:mod:`ds_odc.runtime.lockstep`): the ranks of one SP group run the same micro-batches."""
+        lockstep = self._odc.lockstep if self._odc is not None else None
+        if lockstep is not None:
+            lockstep.before_forward()
+        with self._odc_collectives("forward"):
+            return super().forward(*inputs, **kwargs)
+
+    def _odc_collectives(self, where: str):
+        lockstep = self._odc.lockstep if self._odc is not None else None
+        return lockstep.collectives(where) if lockstep is not None else contextlib.nullcontext()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's, with a crash-safe ``latest`` (:mod:`ds_odc.integration.checkpoints`)."""
@@ -199,9 +216,12 @@ class ODCEngine(DeepSpeedEngine):
         factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options, odc_ledger=self._odc.ledger)
         with swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", factory):
             built = super()._configure_zero_optimizer(optimizer)
+        timeout_s = resolve_timeout_s(self._odc.options.timeout_s)
         if not isinstance(built, ODCStage3Optimizer):  # no optimizer: a frozen model, which only pulls
-            self._odc.frozen = zero3_frozen.attach(built, self._odc.options, resolve_timeout_s(self._odc.options.timeout_s))
+            self._odc.frozen = zero3_frozen.attach(built, self._odc.options, timeout_s)
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
+        else:
+            self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc.protocol, timeout_s)
         return built
 
     def _backward_prologue_per_tensor(self, grad):
@@ -224,8 +244,9 @@ class ODCEngine(DeepSpeedEngine):
         samples_before = self.global_samples
         with self.optimizer.step_context() as step:
             super()._take_model_step(lr_kwargs)
-        if step.totals is not None:
-            self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * step.totals.total_micro_batches
+        if step.totals is not None:  # every rank of an SP group counted the same micro-batches: count each once
+            micro_batches = step.totals.total_micro_batches // sequence_parallel.sequence_parallel_size(self)
+            self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * micro_batches
 
     def _backward_epilogue(self):
         self._odc.in_backward_epilogue = True

@@ -1,0 +1,33 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST) on the odc stage: where the SP groups come from.
+
+ALST's ``UlyssesSPAttentionHF.register_with_transformers`` (and accelerate's ``ParallelismConfig(sp_size=…,
+sp_backend="deepspeed")``, which calls it) builds SP groups of contiguous ranks and hands
+``deepspeed.initialize`` an ``mpu``. DeepSpeed then partitions ZeRO-3 over the sequence-data-parallel
+group, the whole world, and so does the odc stage: every rank pulls and pushes over the world, each SP
+rank pushing its partial gradient, which the owners' accumulators sum. What ODC adds is the lockstep of
+:mod:`ds_odc.runtime.lockstep` (the ranks of one SP group run the same micro-batches) and counting
+samples per SP group. The other route, ``sequence_parallel_size`` in the ds_config without an ``mpu``,
+is refused by :mod:`ds_odc.config` (it partitions ZeRO-3 over the data-parallel mesh only).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as tdist
+
+from ds_odc.runtime.lockstep import SequenceParallelLockstep
+
+
+def sequence_parallel_size(engine) -> int:
+    """The SP group size DeepSpeed found (1 without sequence parallelism)."""
+    return int(getattr(engine, "sequence_parallel_size", 1) or 1)
+
+
+def lockstep_for(engine, protocol, timeout_s: float) -> Optional[SequenceParallelLockstep]:
+    """The SP lockstep of a training engine whose ``mpu`` has SP groups (None without); ``protocol``: the
+    step protocol of its optimizer."""
+    size = sequence_parallel_size(engine)
+    if size <= 1:
+        return None
+    members = sorted(tdist.get_process_group_ranks(engine.seq_parallel_group))
+    return SequenceParallelLockstep(protocol, members[0] // size, members, timeout_s)

@@ -1,0 +1,236 @@
+"""Rank-side workloads for Ulysses sequence parallelism (DeepSpeed ALST) on the odc stage.
+
+4 CPU ranks = 2 SP groups x 2 ({0, 1}, {2, 3}); a tiny Llama with sdpa attention whose attention is
+ALST's ``UlyssesSPAttentionHF`` (``register_with_transformers`` builds the SP groups and returns the
+``mpu`` handed to ``deepspeed.initialize``). Every SP rank takes its contiguous half of each sequence
+(``position_ids`` likewise, labels shifted beforehand), as ALST's data adapter does.
+
+Data: step ``s``, SP group ``g``, micro-batch ``i`` has a deterministic sequence (the same on both
+ranks of the group, and in the one-process reference, which runs every full sequence of the step).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+SP = 2
+VOCAB = 61
+IGNORE = -100
+
+
+def tiny_llama(seed: int = 7):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa", tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def sequence(step: int, group: int, index: int, length: int = 16):
+    """Input ids and shifted labels of one full sequence (a few labels ignored, so token counts differ)."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * group + index)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], dim=1)
+    labels[:, : (index + group) % 4] = IGNORE  # a prompt without loss
+    return ids, labels
+
+
+def shard(tensor: torch.Tensor, sp_rank: int) -> torch.Tensor:
+    size = tensor.shape[1] // SP
+    return tensor[:, sp_rank * size:(sp_rank + 1) * size]
+
+
+def token_sum_loss(model, ids, labels, sp_rank: int):
+    """This SP rank's shard: the loss summed over its own tokens, and how many tokens that is."""
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    local_ids, local_labels = shard(ids, sp_rank), shard(labels, sp_rank)
+    logits = model(input_ids=local_ids, position_ids=shard(positions, sp_rank)).logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), local_labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, int((local_labels != IGNORE).sum())
+
+
+class _GatherInGroup(torch.autograd.Function):
+    """A differentiable all_gather inside the SP group: the backward sums every copy's gradient, as
+    ``torch.distributed.nn.functional.all_gather`` does (whose gloo backward cannot take a subgroup without
+    global rank 0: it scatters from group ranks as if they were global ones)."""
+
+    @staticmethod
+    def forward(ctx, value, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, value.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def gathered_mean_loss(model, ids, labels, sp_rank: int, group):
+    """The token mean over the whole sequence, the same on both SP ranks (HF's ``deepspeed_sp_compute_loss``
+    shape: a differentiable all_gather of the shards' loss sums)."""
+    loss, _ = token_sum_loss(model, ids, labels, sp_rank)
+    total_tokens = sum(int((shard(labels, r) != IGNORE).sum()) for r in range(SP))
+    return _GatherInGroup.apply(loss, group).sum() / total_tokens
+
+
+def ds_config(stage, *, gas: int = 1, lr: float = 0.05, managed: bool = True, odc: dict | None = None):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+            "stage3_prefetch_bucket_size": 0}
+    if stage == "odc":
+        zero["odc"] = dict(odc or {})
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+              "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0,
+              "zero_optimization": zero, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True}
+    if not managed:
+        config["managed_gradient_accumulation"] = False
+    return config
+
+
+def sp_engine(stage, **config_kw):
+    """A tiny Llama with Ulysses attention on ``stage``, and the ALST mpu."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    model = tiny_llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
+                                                           sequence_parallel_size=SP, micro_batch_size=1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, **config_kw),
+                                      mpu=mpu)
+    return engine, mpu
+
+
+def full_parameters(engine) -> dict:
+    import deepspeed
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            out[name] = param.detach().clone().float()
+    return out
+
+
+def train_per_token(counts: Sequence[int], steps: int = 3) -> dict:
+    """SP group g runs counts[g] micro-batches per step (the ranks of a group the same), per-token loss:
+    each SP rank reports its own shard's tokens. Returns parameters after every step."""
+    import torch.distributed as dist
+
+    engine, mpu = sp_engine("odc", managed=False)
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    group = rank // SP
+    history = []
+    for step in range(steps):
+        for index in range(counts[group]):
+            ids, labels = sequence(step, group, index)
+            loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+            engine.backward(loss, loss_tokens=tokens)
+        engine.step()
+        history.append(full_parameters(engine))
+    totals = engine.odc_last_step
+    result = {"params": history, "global_samples": engine.global_samples,
+              "micro_batches": totals.total_micro_batches if totals else None}
+    engine.destroy()
+    return result
+
+
+def reference_per_token(counts: Sequence[int], steps: int = 3, lr: float = 0.05) -> List[dict]:
+    """One process, full sequences: the token mean over every sequence of the step, SGD."""
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        total, tokens = 0.0, 0
+        for group, count in enumerate(counts):
+            for index in range(count):
+                ids, labels = sequence(step, group, index)
+                logits = model(input_ids=ids).logits.float()
+                total = total + F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE,
+                                                reduction="sum")
+                tokens += int((labels != IGNORE).sum())
+        if tokens:
+            (total / tokens).backward()
+            optimizer.step()
+        history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return history
+
+
+def train_gathered_mean(stage, gas: int = 2, steps: int = 3) -> dict:
+    """Equal counts (``gas`` per SP rank), HF's gathered mean loss, DeepSpeed's managed accumulation: the
+    shape of an HF Trainer run with ``ParallelismConfig(sp_size=2)``. Losses and parameters per step."""
+    import torch.distributed as dist
+
+    engine, mpu = sp_engine(stage, gas=gas)
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    group = rank // SP
+    losses, history = [], []
+    for step in range(steps):
+        for index in range(gas):
+            ids, labels = sequence(step, group, index)
+            loss = gathered_mean_loss(engine, ids, labels, sp_rank, mpu.get_sequence_parallel_group())
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        history.append(full_parameters(engine))
+    result = {"losses": losses, "params": history, "global_samples": engine.global_samples}
+    engine.destroy()
+    return result
+
+
+def mismatch_in_group(extra_rank: int, timeout_s: float = 30.0) -> str:
+    """Every rank runs 2 micro-batches except ``extra_rank``, which runs 3: its SP partner goes to the step
+    while it starts one more. Returns the error each rank raised."""
+    import torch.distributed as dist
+
+    engine, mpu = sp_engine("odc", managed=False, odc={"timeout_s": timeout_s})
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    try:
+        for index in range(3 if rank == extra_rank else 2):
+            ids, labels = sequence(0, rank // SP, index)
+            loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+            engine.backward(loss, loss_tokens=tokens)
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def killed_in_group(victim: int, inside: bool, timeout_s: float = 30.0) -> str:
+    """``victim`` dies (SIGKILL) at its second micro-batch of step 2: before the forward (its SP partner then
+    waits for it in the lockstep) or ``inside`` it, entering the second decoder layer (the partner is then
+    inside that layer's all-to-all with it). Returns the error each survivor raised."""
+    import signal
+
+    import torch.distributed as dist
+
+    engine, mpu = sp_engine("odc", managed=False, odc={"timeout_s": timeout_s})
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    doomed = {"now": False}
+    if rank == victim and inside:
+        engine.module.model.layers[1].register_forward_pre_hook(
+            lambda *_: os.kill(os.getpid(), signal.SIGKILL) if doomed["now"] else None)
+    try:
+        for step in range(2):
+            for index in range(2):
+                if rank == victim and step == 1 and index == 1:
+                    doomed["now"] = True
+                    if not inside:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                ids, labels = sequence(step, rank // SP, index)
+                loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+                engine.backward(loss, loss_tokens=tokens)
+            engine.step()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"

@@ -1,0 +1,60 @@
+"""Ulysses sequence parallelism (DeepSpeed ALST's ``mpu`` route) on the odc stage: 4 CPU ranks, 2 SP groups
+of 2. Parameters are partitioned, pulled and pushed over the whole world, as ZeRO-3 + SP does; the ranks of
+one SP group run the same micro-batches, different SP groups may run different counts."""
+import pytest
+
+from tests.distributed import sp_workloads as sp
+from tests.distributed.harness import run_ranks
+
+
+def _worst(ours: dict, theirs: dict) -> float:
+    return max(float((ours[name] - theirs[name]).abs().max()) for name in theirs)
+
+
+def test_sp_groups_running_1_and_3_micro_batches_equal_one_process():
+    """Per-token loss, each SP rank reporting its own shard's tokens: the update of one process on the full
+    sequences of the step, every step."""
+    counts = (1, 3)
+    odc = run_ranks(sp.train_per_token, 4, counts, 3, timeout=300)
+    expected = sp.reference_per_token(counts, 3)
+    for rank in range(4):
+        for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], expected, strict=True)):
+            assert _worst(ours, theirs) <= 2e-6, f"rank {rank}, step {step}"
+    assert odc[0]["micro_batches"] == 2 * sum(counts)  # every SP rank's backward is one micro-batch of the fence
+    assert odc[0]["global_samples"] == 3 * sum(counts)  # samples count SP groups, not ranks
+
+
+def test_a_micro_batch_count_mismatch_inside_an_sp_group_is_named_on_every_rank():
+    """Rank 1 starts a third micro-batch while its SP partner, rank 0, goes to the step: instead of rank 1
+    waiting inside Ulysses' all-to-all and rank 0 at the fence until the no-progress bound, every rank
+    raises at once, naming the SP group and both counts."""
+    errors = run_ranks(sp.mismatch_in_group, 4, 1, 60.0, timeout=50)
+    for rank in range(4):
+        assert "sequence-parallel group 0 (ranks 0, 1)" in errors[rank], errors[rank]
+        assert "rank 1 started micro-batch 3 of step 1 while rank 0 went to the step fence (engine.step) after 2 " \
+               "micro-batches" in errors[rank], errors[rank]
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["before-the-forward", "inside-an-all-to-all"])
+def test_an_sp_peer_killed_is_named_by_every_survivor(inside):
+    """Rank 1 is killed at its second micro-batch of step 2: its SP partner (rank 0) waits for it before that
+    forward, or sits inside an all-to-all with it; the other SP group at the fence. Each survivor names rank 1
+    well within the bound (``timeout_s`` 30 s; the process group's 60 s; the harness waits 55 s)."""
+    report = run_ranks(sp.killed_in_group, 4, 1, inside, 30.0, timeout=55, report=True, pg_timeout_s=60)
+    assert not [r for r in report.hung_ranks if r != 1], report.hung_ranks
+    for rank in (0, 2, 3):
+        status, error = report.outcomes[rank]
+        assert status == "ok" and error.startswith("ODCPeerError: rank 1 ") and " exited " in error, (rank, error)
+    assert "sequence-parallel group 0 (ranks 0, 1)" in report.outcomes[0][1]
+
+
+def test_equal_counts_match_zero3_with_sp_every_step():
+    """HF's gathered token-mean loss (``deepspeed_sp_compute_loss``'s shape), DeepSpeed's managed accumulation
+    of 2 micro-batches: losses and parameters equal ZeRO-3 + SP's, every step, and samples count SP groups."""
+    zero3 = run_ranks(sp.train_gathered_mean, 4, 3, 2, 2, timeout=300)
+    odc = run_ranks(sp.train_gathered_mean, 4, "odc", 2, 2, timeout=300)
+    for rank in range(4):
+        assert odc[rank]["losses"] == zero3[rank]["losses"], rank
+        for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], zero3[rank]["params"], strict=True)):
+            assert _worst(ours, theirs) <= 1e-6, f"rank {rank}, step {step}"
+        assert odc[rank]["global_samples"] == zero3[rank]["global_samples"] == 2 * 2 * 2  # steps x accumulation x SP groups
