@@ -216,8 +216,11 @@ def _check_combinations(ds_config: dict) -> None:
                              "odc stage yet (every rank must be a data-parallel rank)")
     sequence = ds_config.get("sequence_parallel_size", 1)
     if isinstance(sequence, int) and sequence > 1:
-        raise ODCConfigError(f"sequence_parallel_size={sequence}: sequence parallelism is not supported with the "
-                             "odc stage yet (every rank must be a data-parallel rank)")
+        raise ODCConfigError(f"sequence_parallel_size={sequence}: DeepSpeed's device-mesh route to sequence "
+                             "parallelism partitions ZeRO-3 over the data-parallel mesh only and is not supported on "
+                             "the odc stage; use ALST's route instead (the mpu from UlyssesSPAttentionHF."
+                             "register_with_transformers(...) passed to deepspeed.initialize, or accelerate's "
+                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave sequence_parallel_size out')
 
 
 def parse_options(options: Optional[dict]) -> ODCConfig:

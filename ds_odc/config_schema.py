@@ -16,7 +16,7 @@ NESTED_MODELS = (BalanceConfig, QuadraticCost)
 
 #: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
 _UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",
-                          "sequence_parallel_size > 1")
+                          "sequence_parallel_size > 1 (use ALST's mpu for Ulysses sequence parallelism)")
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config_schemas",
                            "odc.schema.json")

@@ -16,6 +16,11 @@ training loop asks the sampler where a step ends::
 
 (with ``"managed_gradient_accumulation": false``; in managed mode call
 ``engine.set_gradient_accumulation_boundary(i == len(step_batches) - 1)`` before each micro-batch).
+
+Under Ulysses sequence parallelism pass ``sequence_parallel_size``: the plan is made per SP group (the
+``world_size // sequence_parallel_size`` groups are its replicas, ``token_cap`` is per group), and every
+rank of a group yields the same micro-batches of full sequences, each rank then taking its own slice of
+each sequence (the ranks of one SP group must run the same micro-batches: :mod:`ds_odc.runtime.lockstep`).
 """
 from __future__ import annotations
 
@@ -34,12 +39,14 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, lengths: Sequence[int], *, samples_per_rank: int, token_cap: int,
                  policy: str = "lb-mini", cost_model: CostModel | None = None, world_size: int | None = None,
-                 rank: int | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+                 rank: int | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 sequence_parallel_size: int = 1):
         if policy not in POLICIES:
             raise ODCError(f"unknown balancing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if samples_per_rank < 1:
             raise ODCError(f"samples_per_rank must be >= 1, got {samples_per_rank}")
         world_size, rank = _world_and_rank(world_size, rank)
+        world_size, rank = _sp_groups(world_size, rank, sequence_parallel_size)
         self.lengths = [int(s) for s in lengths]
         self.samples_per_rank, self.token_cap, self.policy = samples_per_rank, token_cap, policy
         self.cost_model = cost_model or CostModel.tokens()
@@ -85,6 +92,14 @@ class BalancedBatchSampler(Sampler[list[int]]):
         iterator = iter(loader)
         for count in counts:
             yield [next(iterator) for _ in range(count)]
+
+
+def _sp_groups(world_size: int, rank: int, sequence_parallel_size: int) -> tuple[int, int]:
+    """(number of SP groups, this rank's group): the replicas a plan is made for under sequence parallelism."""
+    if sequence_parallel_size < 1 or world_size % sequence_parallel_size:
+        raise ODCError(f"BalancedBatchSampler: sequence_parallel_size={sequence_parallel_size} must be >= 1 and divide "
+                       f"world_size {world_size}")
+    return world_size // sequence_parallel_size, rank // sequence_parallel_size
 
 
 def _world_and_rank(world_size, rank):

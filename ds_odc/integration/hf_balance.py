@@ -32,6 +32,7 @@ from ds_odc.balance.slots import BalancedSlot, StepHeader
 from ds_odc.config import BalanceConfig
 from ds_odc.integration.hf_balance_loader import slot_loader
 from ds_odc.integration.hf_gather import gather_rows
+from ds_odc.integration.hf_sequence_parallel import placement_of
 from ds_odc.integration.patching import bind, swapped
 
 #: The one attribute a bound Trainer carries besides its bound methods.
@@ -88,7 +89,10 @@ class TrainerBalance:
         saved_accumulation = trainer.current_gradient_accumulation_steps
         # the Trainer divides a mean loss by this when the model reports no token counts: per rank, the
         # global micro-batch count over the world size, so the update is the mean over all micro-batches
-        trainer.current_gradient_accumulation_steps = inputs.header.global_micro_batches / trainer.args.world_size
+        # (under sequence parallelism, over the SP groups: the ranks of a group run the same micro-batches)
+        placement = placement_of(trainer)
+        replicas = placement.groups if placement else trainer.args.world_size
+        trainer.current_gradient_accumulation_steps = inputs.header.global_micro_batches / replicas
         self.last_header = inputs.header
         total = torch.zeros((), device=trainer.args.device)
         try:

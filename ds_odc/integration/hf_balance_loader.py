@@ -26,6 +26,7 @@ from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost
 from ds_odc.errors import ODCConfigError, ODCError
 from ds_odc.integration.hf_cost import measure_cost_model
+from ds_odc.integration.hf_sequence_parallel import keep_planned_loader, placement_of, sharding_collator
 
 
 # -- the cost model -------------------------------------------------------------------------------------
@@ -58,9 +59,11 @@ class BalancedStepSampler:
     """Batch sampler of slots: for every optimizer step, the same global samples as accelerate's
     sharded sampler, planned, this rank's share cut into ``gradient_accumulation_steps`` slots."""
 
-    def __init__(self, shard, *, world_size: int, rank: int, accumulation_steps: int, length_of, planner_for):
+    def __init__(self, shard, *, world_size: int, rank: int, accumulation_steps: int, length_of, planner_for,
+                 slots_per_round: int = 1):
         self.shard = shard  # accelerate's BatchSamplerShard of this rank (or the plain batch sampler, one rank)
         self.world_size, self.rank, self.accumulation_steps = world_size, rank, accumulation_steps
+        self.slots_per_round = slots_per_round  # SP: a round of loader batches is sp_size of the Trainer's batches
         self.length_of, self.planner_for = length_of, planner_for
         self.sampler = self  # accelerate's set_epoch reaches a batch sampler's .sampler.set_epoch
         self.epoch = 0
@@ -102,7 +105,8 @@ class BalancedStepSampler:
             members = [i for r in range(start, stop) for stream in streams for i in stream[r]]
             lengths = [self.length_of(i) for i in members]
             planner = self.planner_for(members, lengths)
-            yield from planner.slots(self.epoch * 1_000_003 + step, members, lengths, stop - start)
+            yield from planner.slots(self.epoch * 1_000_003 + step, members, lengths,
+                                     (stop - start) * self.slots_per_round)
 
 
 
@@ -165,21 +169,34 @@ def slot_loader(trainer, loader, config: BalanceConfig):
     dataset, collate_fn = loader.dataset, loader.collate_fn
     length_of = _sample_length(dataset, config.length_key)
     decided = {}
+    # under sequence parallelism the plan's replicas are the SP groups (ds_odc.integration.hf_sequence_parallel)
+    placement = placement_of(trainer)
+    replicas, replica = (placement.groups, placement.group) if placement else (world_size, rank)
+    accumulation_steps = trainer.args.gradient_accumulation_steps // (placement.size if placement else 1)
 
     def planner_for(members, lengths):
         if "planner" not in decided:
             padding = _decide_padding(config, dataset, collate_fn, members, length_of)
+            if placement is not None and padding != "packed":
+                raise ODCConfigError("zero_optimization.odc.balance with sequence parallelism needs packed micro-batches "
+                                     f"(the collator lays them out {padding!r}): Ulysses attention is built for "
+                                     "micro-batches of per_device_train_batch_size sequences, so pack each micro-batch "
+                                     "into one (e.g. transformers' DataCollatorWithFlattening) with "
+                                     "per_device_train_batch_size=1")
             cost_model = cost_model_of(config) or measure_cost_model(trainer, config)
-            decided["planner"] = StepPlanner(world_size, rank, config.token_cap, config.policy, cost_model,
+            decided["planner"] = StepPlanner(replicas, replica, config.token_cap, config.policy, cost_model,
                                              padding, config.pad_to_multiple_of)
             if trainer.is_world_process_zero():
                 logger.info(f"ds_odc balance: {config.policy}, token_cap {config.token_cap}, {padding} micro-batches, "
                             f"cost model {cost_model}")
         return decided["planner"]
 
-    sampler = BalancedStepSampler(shard, world_size=world_size, rank=rank,
-                                  accumulation_steps=trainer.args.gradient_accumulation_steps,
-                                  length_of=length_of, planner_for=planner_for)
+    sampler = BalancedStepSampler(shard, world_size=world_size, rank=rank, accumulation_steps=accumulation_steps,
+                                  length_of=length_of, planner_for=planner_for,
+                                  slots_per_round=placement.size if placement else 1)
+    if placement is not None:
+        collate_fn = sharding_collator(collate_fn, placement)
+        keep_planned_loader(trainer, lambda dl: getattr(dl, "batch_sampler", None) is sampler)
     ignored = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
     kwargs = {k: getattr(loader, k, default) for k, default in _PYTORCH_DATALOADER_KWARGS.items() if k not in ignored}
     return DataLoaderShard(SlotDataset(dataset), device=loader.device, rng_types=loader.rng_types,

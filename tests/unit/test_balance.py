@@ -108,6 +108,8 @@ def test_plans_are_deterministic_for_a_seed():
     (lambda: plan_minibatch([10], 0, 1024), "world_size must be >= 1"),
     (lambda: CostModel(quadratic=-1.0), "CostModel.quadratic must be >= 0"),
     (lambda: BalancedBatchSampler([1], samples_per_rank=1, token_cap=4, world_size=2, rank=2), "rank 2 is outside"),
+    (lambda: BalancedBatchSampler([1], samples_per_rank=1, token_cap=4, world_size=6, rank=0, sequence_parallel_size=4),
+     "sequence_parallel_size=4 must be >= 1 and divide world_size 6"),
 ])
 def test_bad_inputs_name_the_problem(call, message):
     with pytest.raises(ODCError, match=message.replace("(", r"\(")):
@@ -147,6 +149,17 @@ def test_sampler_yields_each_rank_its_micro_batches_and_covers_the_epoch_once():
     first_epoch = list(samplers[0])
     samplers[0].set_epoch(1)
     assert list(samplers[0]) != first_epoch
+
+
+def test_under_sequence_parallelism_the_ranks_of_a_group_get_the_same_micro_batches_planned_per_group():
+    """4 ranks in SP groups of 2: the plan is the one for 2 replicas; ranks 0 and 1 yield group 0's micro-batches,
+    ranks 2 and 3 group 1's, and the epoch is covered once per group."""
+    lengths = long_tailed(40, 512, seed=2)
+    kw = dict(samples_per_rank=4, token_cap=512, seed=3)
+    with_sp = [list(BalancedBatchSampler(lengths, world_size=4, rank=r, sequence_parallel_size=2, **kw)) for r in range(4)]
+    per_group = [list(BalancedBatchSampler(lengths, world_size=2, rank=g, **kw)) for g in range(2)]
+    assert with_sp == [per_group[0], per_group[0], per_group[1], per_group[1]]
+    assert sorted(i for group in per_group for batch in group for i in batch) == list(range(40))
 
 
 def test_sampler_groups_a_dataloader_into_steps():
