@@ -112,6 +112,7 @@ class ODCEngine(DeepSpeedEngine):
         try:
             super().destroy()
         finally:
+            sequence_parallel.unregister(self._odc.lockstep if self._odc is not None else None)
             frozen, self._odc.frozen = (self._odc.frozen, None) if self._odc is not None else (None, None)
             if frozen is not None:
                 frozen.release()
@@ -154,14 +155,22 @@ class ODCEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep
         (:mod:`ds_odc.runtime.lockstep`): the ranks of one SP group run the same micro-batches."""
-        lockstep = self._odc.lockstep if self._odc is not None else None
+        lockstep = self._odc_lockstep()
         if lockstep is not None:
             lockstep.before_forward()
         with self._odc_collectives("forward"):
             return super().forward(*inputs, **kwargs)
 
+    def _odc_lockstep(self) -> Optional[SequenceParallelLockstep]:
+        """A training engine's own SP lockstep; a frozen engine takes the newest training engine's."""
+        if self._odc is None:
+            return None
+        if self._odc.frozen is not None:
+            return sequence_parallel.process_lockstep()
+        return self._odc.lockstep
+
     def _odc_collectives(self, where: str):
-        lockstep = self._odc.lockstep if self._odc is not None else None
+        lockstep = self._odc_lockstep()
         return lockstep.collectives(where) if lockstep is not None else contextlib.nullcontext()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
@@ -222,6 +231,8 @@ class ODCEngine(DeepSpeedEngine):
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         else:
             self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc.protocol, timeout_s)
+            if self._odc.lockstep is not None:
+                sequence_parallel.register(self._odc.lockstep)
         return built
 
     def _backward_prologue_per_tensor(self, grad):

@@ -6,7 +6,9 @@ sp_backend="deepspeed")``, which calls it) builds SP groups of contiguous ranks 
 group, the whole world, and so does the odc stage: every rank pulls and pushes over the world, each SP
 rank pushing its partial gradient, which the owners' accumulators sum. What ODC adds is the lockstep of
 :mod:`ds_odc.runtime.lockstep` (the ranks of one SP group run the same micro-batches) and counting
-samples per SP group. The other route, ``sequence_parallel_size`` in the ds_config without an ``mpu``,
+samples per SP group. ALST replaces the attention function process-wide, so a frozen model's forward (a
+DPO reference model's) meets the SP peers in all-to-alls as well: it takes the lockstep of the newest
+training engine of the process (:func:`process_lockstep`). The other route, ``sequence_parallel_size`` in the ds_config without an ``mpu``,
 is refused by :mod:`ds_odc.config` (it partitions ZeRO-3 over the data-parallel mesh only).
 """
 from __future__ import annotations
@@ -31,3 +33,20 @@ def lockstep_for(engine, protocol, timeout_s: float) -> Optional[SequenceParalle
         return None
     members = sorted(tdist.get_process_group_ranks(engine.seq_parallel_group))
     return SequenceParallelLockstep(protocol, members[0] // size, members, timeout_s)
+
+
+_training_locksteps: list[SequenceParallelLockstep] = []  # of this process's training engines, newest last
+
+
+def register(lockstep: SequenceParallelLockstep) -> None:
+    _training_locksteps.append(lockstep)
+
+
+def unregister(lockstep: Optional[SequenceParallelLockstep]) -> None:
+    if lockstep in _training_locksteps:
+        _training_locksteps.remove(lockstep)
+
+
+def process_lockstep() -> Optional[SequenceParallelLockstep]:
+    """The lockstep a frozen engine's forward takes: the newest training engine's (None without SP)."""
+    return _training_locksteps[-1] if _training_locksteps else None

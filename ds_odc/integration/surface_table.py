@@ -373,6 +373,10 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("deepspeed.launcher.runner.EXPORT_ENVS gains DS_ODC_", "the launcher process",
                 "the environment switch must reach the ranks of every node the launcher starts",
                 "ds_odc/integration/launcher.py"),
+    ProcessWide("the sequence-parallel lockstep of the newest training ODC engine under an SP mpu",
+                "from that engine's build to its destroy()", "ALST replaces the attention function process-wide, so "
+                "a frozen model's forward (a DPO reference) meets the SP peers in all-to-alls too: it takes the same "
+                "lockstep as the training engine's forwards", "ds_odc/integration/sequence_parallel.py"),
     ProcessWide("sys.excepthook chained", "while ODC engines live (restored when the last one closes)",
                 "an uncaught exception reaches the peers as that exception, not as a bare exit",
                 "ds_odc/runtime/crash.py"),

@@ -111,6 +111,51 @@ def sp_engine(stage, **config_kw):
     return engine, mpu
 
 
+def reference_engine():
+    """A frozen copy of the model on the odc stage, built without the mpu and before the policy, as TRL's
+    ``prepare_deepspeed`` builds a DPO reference model: its attention is ALST's too (registered process-wide)."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": "odc",
+              "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0}}
+    engine, *_ = deepspeed.initialize(model=tiny_llama(), config=config)
+    return engine
+
+
+def with_reference(counts: Sequence[int], extra_rank: int = -1, steps: int = 2) -> dict:
+    """DPO's shape under SP: each micro-batch runs the frozen reference model, then the policy. SP group g runs
+    counts[g] micro-batches per step (``extra_rank`` one more). Parameters after every step, or the error."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    policy_model = tiny_llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=policy_model,
+                                                           core_attn_implementation="sdpa",
+                                                           sequence_parallel_size=SP, micro_batch_size=1)
+    reference = reference_engine()
+    engine, *_ = deepspeed.initialize(model=policy_model, model_parameters=policy_model.parameters(),
+                                      config=ds_config("odc", managed=False, odc={"timeout_s": 60}), mpu=mpu)
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    group, history = rank // SP, []
+    try:
+        for step in range(steps):
+            for index in range(counts[group] + (1 if rank == extra_rank else 0)):
+                ids, labels = sequence(step, group, index)
+                positions = shard(torch.arange(ids.shape[1]).unsqueeze(0), sp_rank)
+                with torch.no_grad():
+                    reference_logits = reference(input_ids=shard(ids, sp_rank), position_ids=positions).logits
+                loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+                engine.backward(loss + 0.0 * reference_logits.float().sum(), loss_tokens=tokens)
+            engine.step()
+            history.append(full_parameters(engine))
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(err).__name__}: {err}"}
+    engine.destroy()
+    reference.destroy()
+    return {"params": history}
+
+
 def full_parameters(engine) -> dict:
     import deepspeed
 

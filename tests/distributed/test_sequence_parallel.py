@@ -58,3 +58,19 @@ def test_equal_counts_match_zero3_with_sp_every_step():
         for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], zero3[rank]["params"], strict=True)):
             assert _worst(ours, theirs) <= 1e-6, f"rank {rank}, step {step}"
         assert odc[rank]["global_samples"] == zero3[rank]["global_samples"] == 2 * 2 * 2  # steps x accumulation x SP groups
+
+
+def test_a_frozen_reference_model_under_sp_takes_the_lockstep_too():
+    """DPO's shape: the frozen reference model (built by TRL without the mpu, before the policy) runs ALST's
+    attention too. SP groups at 1 and 3 micro-batches per step train as one process; and rank 1 starting one
+    micro-batch more than its partner is named at its reference model's forward, the first all-to-all it would
+    have entered, on every rank."""
+    counts = (1, 3)
+    odc = run_ranks(sp.with_reference, 4, counts, timeout=300)
+    expected = sp.reference_per_token(counts, 2)
+    for rank in range(4):
+        for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], expected, strict=True)):
+            assert _worst(ours, theirs) <= 2e-6, f"rank {rank}, step {step}"
+    errors = run_ranks(sp.with_reference, 4, (2, 2), 1, timeout=120)
+    for result in errors:
+        assert "rank 1 started micro-batch 3 of step 1 while rank 0 went to the step fence" in result["error"], result
