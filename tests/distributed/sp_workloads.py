@@ -98,14 +98,55 @@ def ds_config(stage, *, gas: int = 1, lr: float = 0.05, managed: bool = True, od
     return config
 
 
-def sp_engine(stage, **config_kw):
-    """A tiny Llama with Ulysses attention on ``stage``, and the ALST mpu."""
+class TiledLossLM(torch.nn.Module):
+    """ALST's other parts around the tiny Llama: activation checkpointing of every decoder layer, ``TiledMLP``
+    (each MLP run in 2 sequence tiles, recomputed in backward) and ``TiledFusedLogitsLoss`` (logits and loss in
+    2 tiles, never the whole logits tensor; its backward runs inside the forward). Returns the loss summed
+    over this rank's tokens."""
+
+    def __init__(self, llama):
+        super().__init__()
+        import types
+
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        self.llama = llama
+        llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def mlp(module, x):
+            return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+        def tiled(module, x):
+            return TiledMLP.apply(mlp, module, x, 2, [module.down_proj.weight, module.gate_proj.weight,
+                                                      module.up_proj.weight])
+
+        for layer in llama.model.layers:
+            layer.mlp.forward = types.MethodType(tiled, layer.mlp)
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        hidden = self.llama.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        head = self.llama.lm_head
+
+        def loss_fn(module, x, y):
+            return F.cross_entropy(module(x).float().reshape(-1, VOCAB), y.reshape(-1), ignore_index=IGNORE,
+                                   reduction="sum")
+
+        return TiledFusedLogitsLoss.apply(loss_fn, head, hidden, shift_labels, None, 2, [head.weight], "sum")
+
+
+def sp_engine(stage, alst: bool = False, **config_kw):
+    """A tiny Llama with Ulysses attention on ``stage`` (``alst``: wrapped in :class:`TiledLossLM`), and the
+    ALST mpu."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     model = tiny_llama()
     mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
                                                            sequence_parallel_size=SP, micro_batch_size=1)
+    if alst:
+        model = TiledLossLM(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, **config_kw),
                                       mpu=mpu)
     return engine, mpu
@@ -162,23 +203,30 @@ def full_parameters(engine) -> dict:
     out = {}
     for name, param in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
-            out[name] = param.detach().clone().float()
+            out[name.removeprefix("llama.")] = param.detach().clone().float()
     return out
 
 
-def train_per_token(counts: Sequence[int], steps: int = 3) -> dict:
+def train_per_token(counts: Sequence[int], steps: int = 3, alst: bool = False) -> dict:
     """SP group g runs counts[g] micro-batches per step (the ranks of a group the same), per-token loss:
-    each SP rank reports its own shard's tokens. Returns parameters after every step."""
+    each SP rank reports its own shard's tokens (``alst``: through :class:`TiledLossLM`). Returns parameters
+    after every step."""
     import torch.distributed as dist
 
-    engine, mpu = sp_engine("odc", managed=False)
+    engine, mpu = sp_engine("odc", alst=alst, managed=False)
     rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
     group = rank // SP
     history = []
     for step in range(steps):
         for index in range(counts[group]):
             ids, labels = sequence(step, group, index)
-            loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+            if alst:
+                positions = shard(torch.arange(ids.shape[1]).unsqueeze(0), sp_rank)
+                local_labels = shard(labels, sp_rank)
+                loss = engine(shard(ids, sp_rank), positions, local_labels)
+                tokens = int((local_labels != IGNORE).sum())
+            else:
+                loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
             engine.backward(loss, loss_tokens=tokens)
         engine.step()
         history.append(full_parameters(engine))

@@ -11,11 +11,14 @@ def _worst(ours: dict, theirs: dict) -> float:
     return max(float((ours[name] - theirs[name]).abs().max()) for name in theirs)
 
 
-def test_sp_groups_running_1_and_3_micro_batches_equal_one_process():
+@pytest.mark.parametrize("alst", [False, True], ids=["plain", "checkpointing-tiled-mlp-tiled-loss"])
+def test_sp_groups_running_1_and_3_micro_batches_equal_one_process(alst):
     """Per-token loss, each SP rank reporting its own shard's tokens: the update of one process on the full
-    sequences of the step, every step."""
+    sequences of the step, every step. Also with ALST's other parts: activation checkpointing, TiledMLP (its
+    gradients held back until the last tile, ``ds_grad_is_ready``) and the tiled logits loss (whose backward
+    runs inside the forward, so the head's gradient is pushed there)."""
     counts = (1, 3)
-    odc = run_ranks(sp.train_per_token, 4, counts, 3, timeout=300)
+    odc = run_ranks(sp.train_per_token, 4, counts, 3, alst, timeout=300)
     expected = sp.reference_per_token(counts, 3)
     for rank in range(4):
         for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], expected, strict=True)):
