@@ -327,3 +327,71 @@ def killed_in_group(victim: int, inside: bool, timeout_s: float = 30.0) -> str:
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+# -- collectives, inside and outside the SP groups ---------------------------------------------------------
+class GroupedCollectiveCounter:
+    """Counts torch.distributed collectives by where they run: inside an SP group (a group of ``SP`` ranks) or
+    outside (the world, or any larger group). Installed before the process group exists (harness ``setup``)."""
+
+    def __init__(self):
+        import torch.distributed as tdist
+        import torch.distributed.distributed_c10d as c10d
+
+        from tests.distributed.sync_workloads import COLLECTIVES
+
+        self.inside = self.outside = 0
+        for name in COLLECTIVES:
+            original = getattr(tdist, name, None)
+            if original is None:
+                continue
+
+            def counted(*args, __original=original, **kwargs):
+                group = kwargs.get("group")
+                if group is None:
+                    group = next((a for a in args if isinstance(a, tdist.ProcessGroup)), None)
+                if group is not None and tdist.get_world_size(group) == SP < tdist.get_world_size():
+                    self.inside += 1
+                else:
+                    self.outside += 1
+                return __original(*args, **kwargs)
+
+            setattr(tdist, name, counted)
+            if getattr(c10d, name, None) is original:
+                setattr(c10d, name, counted)
+
+    def take(self) -> tuple[int, int]:
+        counts, self.inside, self.outside = (self.inside, self.outside), 0, 0
+        return counts
+
+
+_grouped = None
+
+
+def install_grouped_counter():
+    global _grouped
+    _grouped = GroupedCollectiveCounter()
+
+
+def count_sp_collectives(stage, micro_batches: int = 2, steps: int = 2) -> dict:
+    """(inside SP groups, outside) collectives in each step's forwards/backwards and in its engine.step()."""
+    import torch.distributed as dist
+
+    engine, mpu = sp_engine(stage, gas=micro_batches)
+    rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
+    _grouped.take()
+    fwd_bwd, stepping = [], []
+    for step in range(steps):
+        inside = outside = 0
+        for index in range(micro_batches):
+            ids, labels = sequence(step, rank // SP, index)
+            engine.backward(gathered_mean_loss(engine, ids, labels, sp_rank, mpu.get_sequence_parallel_group()))
+            if index < micro_batches - 1:
+                engine.step()  # not a boundary
+            i, o = _grouped.take()
+            inside, outside = inside + i, outside + o
+        engine.step()
+        fwd_bwd.append((inside, outside))
+        stepping.append(_grouped.take())
+    engine.destroy()
+    return {"fwd_bwd": fwd_bwd, "step": stepping}

@@ -77,3 +77,15 @@ def test_a_frozen_reference_model_under_sp_takes_the_lockstep_too():
     errors = run_ranks(sp.with_reference, 4, (2, 2), 1, timeout=120)
     for result in errors:
         assert "rank 1 started micro-batch 3 of step 1 while rank 0 went to the step fence" in result["error"], result
+
+
+def test_outside_the_sp_groups_no_collective_per_micro_batch_and_none_per_step():
+    """On ODC the only collectives of forward/backward are Ulysses' own, inside each SP group (and the loss's
+    gather there); the step meets through the transport. ZeRO-3 + SP gathers and reduce-scatters over the
+    world in every forward/backward."""
+    odc = run_ranks(sp.count_sp_collectives, 4, "odc", setup=sp.install_grouped_counter, timeout=300)
+    zero3 = run_ranks(sp.count_sp_collectives, 4, 3, setup=sp.install_grouped_counter, timeout=300)
+    for rank in range(4):
+        assert all(inside > 0 and outside == 0 for inside, outside in odc[rank]["fwd_bwd"]), odc[rank]
+        assert odc[rank]["step"] == [(0, 0)] * 2, odc[rank]
+        assert all(outside > 0 for _, outside in zero3[rank]["fwd_bwd"]), zero3[rank]
