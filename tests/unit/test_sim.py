@@ -282,3 +282,17 @@ def test_noise_floor_pairs_only_runs_the_simulator_cannot_tell_apart():
                (zero3, {"predicted": [1.0, 2.0], "measured": [9.0, 9.0]})]  # a different engine
     noise, pairs = script._noise_floor(replays)
     assert pairs == 1 and noise == pytest.approx(0.1 / 1.05)
+
+
+def test_sequence_parallel_projection_divides_compute_adds_all_to_alls_and_one_group_has_nothing_to_balance():
+    from benchmarks.sim.presets import GOLDEN_COST_MODEL
+    from benchmarks.sim.sequence_parallel import all_to_all_seconds_per_token, project_sp, sp_cost_model
+
+    assert all_to_all_seconds_per_token(1) == 0.0 and sp_cost_model(GOLDEN_COST_MODEL, 1) == GOLDEN_COST_MODEL
+    halved = sp_cost_model(GOLDEN_COST_MODEL, 2)
+    assert halved.quadratic == GOLDEN_COST_MODEL.quadratic / 2
+    assert halved.linear == GOLDEN_COST_MODEL.linear / 2 + all_to_all_seconds_per_token(2) > GOLDEN_COST_MODEL.linear / 2
+    one_group = project_sp(8, 8, steps=2)  # SP over every rank: no data parallelism, no imbalance to remove
+    assert all(abs(one_group.speedup("odc", policy)) < 0.02 for policy in ("lb-micro", "lb-mini"))
+    four_groups = project_sp(8, 2, steps=2)
+    assert four_groups.speedup("odc", "lb-mini") > 0
