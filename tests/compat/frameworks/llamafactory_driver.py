@@ -26,7 +26,8 @@ def write_data(directory: str) -> None:
            for i, text in enumerate(common.sft_texts())]
     dpo = [{"instruction": row["prompt"], "input": "", "chosen": row["chosen"], "rejected": row["rejected"]}
            for row in common.preference_rows()]
-    info = {"compat_sft": {"file_name": "sft.json"}, "compat_dpo": {"file_name": "dpo.json", "ranking": True}}
+    info = {"compat_sft": {"file_name": "sft.json"}, "compat_dpo": {"file_name": "dpo.json", "ranking": True, "columns": {
+        "prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}}
     for name, content in (("sft.json", sft), ("dpo.json", dpo), ("dataset_info.json", info)):
         with open(os.path.join(directory, name), "w") as handle:
             json.dump(content, handle)
