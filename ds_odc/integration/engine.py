@@ -212,7 +212,10 @@ class ODCEngine(DeepSpeedEngine):
         if state.options.loss_normalization == "token":
             raise ODCConfigError("zero_optimization.odc.loss_normalization='token': this backward has no token "
                                  "count; call engine.backward(loss, loss_tokens=n) or engine.set_loss_tokens(n)")
-        if self.managed_gradient_accumulation() and scale_wrt_gas:
+        # With gradient_accumulation_steps 1 every backward is its own boundary: several before one step is
+        # the caller accumulating (OpenRLHF's actor update), which ZeRO-3 sums; the mean would divide by the
+        # count (README, "Normalisation"). The two rules agree for one backward per rank.
+        if self.managed_gradient_accumulation() and scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             return _BackwardRule(Normalisation.MEAN)
         return _BackwardRule(Normalisation.CALLER)
 

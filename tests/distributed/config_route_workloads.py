@@ -68,3 +68,24 @@ def initialize_outcome(env_by_rank):
     kind = type(engine).__name__
     engine.destroy()
     return {"error": None, "engine": kind}
+
+
+def caller_accumulated_training(counts, steps=3, env=None):
+    """OpenRLHF's actor update (its dynamic batch): GAS 1 in the config, ``counts[rank]`` backward calls whose
+    losses the caller scales, then one ``step()``. ZeRO-3 sums the backward calls (every one is a boundary)
+    and averages over ranks; SGD, because Adam's update hardly shows a gradient scaled by a constant."""
+    os.environ.update(env or {})
+    rank = tdist.get_rank()
+    config = framework_ds_config(3)
+    config.update(gradient_accumulation_steps=1, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = make_model()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    for step in range(steps):
+        for index in range(counts[rank]):
+            x, y, _ = micro_batch(step, rank, index)
+            engine.backward(mse_mean(engine(x), y) / counts[rank])
+        engine.step()
+    result = {"engine": type(engine).__name__, "params": full_params(engine)}
+    engine.destroy()
+    return result

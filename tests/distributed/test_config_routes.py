@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.distributed.compare import worst_rel_diff
-from tests.distributed.config_route_workloads import framework_training, initialize_outcome
+from tests.distributed.config_route_workloads import caller_accumulated_training, framework_training, initialize_outcome
 from tests.distributed.harness import run_ranks
 from tests.distributed.workloads import reference_training
 
@@ -32,6 +32,15 @@ def test_a_framework_built_stage_3_config_trains_on_odc_with_uneven_counts_as_on
         assert result["engine"] == "ODCEngine" and result["stage_in_config"] == 3, result["engine"]
         assert result["branches"] == ["zero.Init", "16-bit save path"]
         assert worst_rel_diff(result["params"], expected) <= 1e-5
+
+
+def test_several_backward_calls_per_step_with_gas_1_give_zero3s_update_through_the_switch():
+    """OpenRLHF's loop (GAS 1, three backward calls with caller-scaled losses, one step) switched by the
+    environment alone: the same update as on ZeRO-3 (which sums the calls), not a third of it."""
+    on_odc = run_ranks(caller_accumulated_training, 2, (3, 3), 2, SWITCH)
+    on_zero3 = run_ranks(caller_accumulated_training, 2, (3, 3), 2, None)
+    assert [r["engine"] for r in on_odc + on_zero3] == ["ODCEngine"] * 2 + ["DeepSpeedEngine"] * 2
+    assert worst_rel_diff(on_odc[0]["params"], on_zero3[0]["params"]) <= 1e-5
 
 
 def test_the_switch_off_leaves_a_stage_3_config_on_zero3():

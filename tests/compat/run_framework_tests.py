@@ -1,0 +1,253 @@
+"""Post-training frameworks on ODC: each scenario run twice on 2 CPU ranks, once asking for the odc stage
+the way that framework's users can, once on ZeRO-3, on the same data; the losses are compared step by step.
+
+Opt-in (CI does not run it: it installs frameworks). Each framework gets a virtual environment of its own at
+pinned releases (``--venv-root``, outside the checkout), with torch 2.13.0 first and a constraints file
+holding torch at 2.13.0 for every later install (a framework that asks for another torch fails to install
+instead of downloading one), DeepSpeed 0.19.8, and ds_odc from this checkout (``pip install -e``). The
+scenarios are small scripts in ``tests/compat/frameworks/``; a probe (``frameworks/probe/sitecustomize.py``)
+records which engine every ``deepspeed.initialize`` built, and a route whose engines are not the ones asked
+for fails, whatever its losses.
+
+    python tests/compat/run_framework_tests.py                         # set up what is missing, run all
+    python tests/compat/run_framework_tests.py --only trl/dpo --steps 6
+    python tests/compat/run_framework_tests.py --setup-only
+
+Prints a markdown table: framework, version, scenario, route, steps, max |loss diff|, max |grad-norm diff|,
+the engines seen, pass/fail, wall time of both runs. Exits 1 if a scenario fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKOUT = os.path.dirname(os.path.dirname(HERE))
+SCRIPTS = os.path.join(HERE, "frameworks")
+PROBE_DIR = os.path.join(SCRIPTS, "probe")
+STUBS_DIR = os.path.join(SCRIPTS, "stubs")
+TORCH = "torch==2.13.0"
+DEEPSPEED = "deepspeed==0.19.8"
+TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (README, Numerics)
+
+
+@dataclass
+class Env:
+    """One framework's virtual environment: ``pins`` installed with the torch constraint, then ``no_deps``
+    (packages whose declared dependencies cannot be met on this torch), then ds_odc from the checkout."""
+    name: str
+    version: str
+    pins: list
+    no_deps: list = field(default_factory=list)
+    stubs: bool = False  # put frameworks/stubs (an empty torchaudio) on PYTHONPATH
+
+    def spec(self) -> dict:
+        return {"torch": TORCH, "pins": self.pins, "no_deps": self.no_deps, "checkout": CHECKOUT}
+
+
+ENVS = {env.name: env for env in (
+    Env("trl", "trl 1.16.0", [DEEPSPEED, "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0",
+                              "datasets==5.2.0"]),
+    # llamafactory 0.9.5 declares torchvision and torchaudio, which no release pairs with torch 2.13.0 here
+    Env("llamafactory", "llamafactory 0.9.5",
+        [DEEPSPEED, "transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "datasets==4.0.0", "peft==0.18.1",
+         "omegaconf", "fire", "einops", "sentencepiece", "tiktoken", "protobuf", "pandas", "scipy", "matplotlib",
+         "tyro<0.9", "av<=16.0.0"], ["llamafactory==0.9.5"], stubs=True),
+    # ArcticTraining 0.8.0 installs beside torch 2.13.0 with transformers==4.57.1, peft==0.18.1,
+    # datasets==4.0.0 (checked), but its scenario is not written yet (README, "Framework compatibility suite")
+)}
+
+
+@dataclass
+class Scenario:
+    """``argv`` after the interpreter; ``torchrun`` starts 2 ranks, else the script starts them itself.
+    ``route`` is compared with the baseline route "3"; ``route_env`` / ``base_env`` are set for each."""
+    framework: str
+    env: str
+    name: str
+    argv: list
+    route: str = "odc"
+    torchrun: bool = True
+    route_env: dict = field(default_factory=dict)
+    base_env: dict = field(default_factory=dict)
+
+
+def _trl(name):
+    return Scenario("TRL", "trl", name, ["trl_scenarios.py", name])
+
+
+AXOLOTL = {"ACCELERATE_USE_DEEPSPEED": "true"}  # what axolotl exports; ZERO3_INIT only when the stage is exactly 3
+SCENARIOS = [
+    _trl("sft"), _trl("dpo"), _trl("grpo"), _trl("dpo_balance"),
+    Scenario("LLaMA-Factory", "llamafactory", "sft", ["llamafactory_driver.py", "sft"], "marker", torchrun=False),
+    Scenario("LLaMA-Factory", "llamafactory", "dpo", ["llamafactory_driver.py", "dpo"], "marker", torchrun=False),
+    Scenario("OpenRLHF-shaped loop", "trl", "dynamic batches", ["openrlhf_loop.py"], "env",
+             route_env={"DS_ODC_STAGE3": "odc", "DS_ODC_OPTIONS": '{"timeout_s": 120}'}),
+    Scenario("accelerate (axolotl's variables)", "trl", "sft", ["accelerate_env.py"], "env",
+             route_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "odc"},
+             base_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}),
+]
+
+
+# -- environments ---------------------------------------------------------------------------------------
+def ensure_env(env: Env, root: str) -> str:
+    """The venv's python, building the venv when its recorded spec differs from ``env.spec()``."""
+    path = os.path.join(root, env.name)
+    python, stamp = os.path.join(path, "bin", "python"), os.path.join(path, "ds_odc_compat.json")
+    if os.path.exists(stamp):
+        with open(stamp) as handle:
+            if json.load(handle) == env.spec():
+                return python
+    print(f"setting up {path} ({env.version})", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", path], check=True)
+    constraints = os.path.join(path, "constraints.txt")
+    with open(constraints, "w") as handle:
+        handle.write(TORCH + "\n")
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH], check=True)
+    subprocess.run([*pip, "-c", constraints, *env.pins], check=True)
+    if env.no_deps:
+        subprocess.run([*pip, "--no-deps", *env.no_deps], check=True)
+    subprocess.run([*pip, "-c", constraints, "-e", CHECKOUT], check=True)
+    with open(stamp, "w") as handle:
+        json.dump(env.spec(), handle)
+    return python
+
+
+# -- one run --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_route(scenario: Scenario, route: str, python: str, model_dir: str, work: str, args) -> dict:
+    """One run of ``scenario`` on ``route``; returns its result file plus the engines the probe saw."""
+    tag = f"{scenario.env}_{scenario.argv[-1]}_{route}".replace(" ", "_").replace(".py", "")
+    out, probe, log = (os.path.join(work, f"{tag}.{ext}") for ext in ("json", "probe", "log"))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DS_ODC_COMPAT_ROUTE": route,
+           "DS_ODC_COMPAT_OUT": out, "DS_ODC_COMPAT_PROBE": probe, "DS_ODC_COMPAT_CPU_COMM": "1",
+           "DS_ODC_COMPAT_STEPS": str(args.steps), "MASTER_PORT": str(free_port()), "WANDB_MODE": "disabled",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([PROBE_DIR] + ([STUBS_DIR] if ENVS[scenario.env].stubs else [])),
+           **(scenario.route_env if route != "3" else scenario.base_env)}
+    for name in ("DS_ODC_STAGE3", "DS_ODC_OPTIONS", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                 "ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        if name not in (scenario.route_env if route != "3" else scenario.base_env):
+            env.pop(name, None)
+    for stale in (out, probe):
+        if os.path.exists(stale):
+            os.remove(stale)
+    script = [os.path.join(SCRIPTS, scenario.argv[0]), *scenario.argv[1:], model_dir, os.path.join(work, tag)]
+    launch = ([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", env["MASTER_PORT"]]
+              if scenario.torchrun else [python])
+    started = time.monotonic()
+    with open(log, "w") as handle:
+        try:
+            code = subprocess.run([*launch, *script], env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    result = {"wall_s": time.monotonic() - started, "code": code, "log": log, "engines": []}
+    if os.path.exists(out):
+        with open(out) as handle:
+            result.update(json.load(handle))
+    if os.path.exists(probe):
+        with open(probe) as handle:
+            result["engines"] = [json.loads(line) for line in handle if line.strip()]
+    return result
+
+
+def engines_ok(result: dict, want_odc: bool) -> bool:
+    kinds = {row["engine"] for row in result["engines"]}
+    return bool(kinds) and kinds == ({"ODCEngine"} if want_odc else {"DeepSpeedEngine"})
+
+
+def engine_summary(result: dict) -> str:
+    rows = [row for row in result["engines"] if row["rank"] == 0]
+    return " + ".join(f"{row['engine']}{' (frozen)' if row.get('frozen') else ''}" for row in rows) or "none"
+
+
+def max_diff(a: list, b: list):
+    if not a or len(a) != len(b):
+        return None
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) -> dict:
+    odc = run_route(scenario, scenario.route, python, model_dir, work, args)
+    zero3 = run_route(scenario, "3", python, model_dir, work, args)
+    loss = max_diff(odc.get("losses"), zero3.get("losses"))
+    norms = max_diff(odc.get("grad_norms"), zero3.get("grad_norms"))
+    problems = [f"{label} exited {r['code']} (log: {r['log']})" for label, r in (("route", odc), ("zero-3", zero3))
+                if r["code"] != 0]
+    if not problems and loss is None:
+        problems.append(f"losses missing or of different lengths: {odc.get('losses')} vs {zero3.get('losses')}")
+    if not problems and loss > TOLERANCE:
+        problems.append(f"losses differ by {loss:.3g} > {TOLERANCE}")
+    if not engines_ok(odc, True):
+        problems.append(f"route {scenario.route} built {engine_summary(odc)}, not ODCEngine")
+    if not engines_ok(zero3, False):
+        problems.append(f"baseline built {engine_summary(zero3)}, not DeepSpeedEngine")
+    return {"framework": scenario.framework, "version": ENVS[scenario.env].version, "scenario": scenario.name,
+            "route": scenario.route, "steps": len(odc.get("losses") or []), "loss_diff": loss, "norm_diff": norms,
+            "engines": engine_summary(odc), "micro_batches": " ".join(odc.get("micro_batches") or []),
+            "ok": not problems, "problems": problems, "wall_s": (odc["wall_s"], zero3["wall_s"])}
+
+
+def table(rows: list) -> str:
+    def num(value):
+        return "-" if value is None else f"{value:.1e}"
+
+    lines = ["| framework | version | scenario | route | steps | max \\|loss diff\\| | max \\|grad-norm diff\\| "
+             "| engines (rank 0) | result | wall s (route / zero-3) |", "|" + " --- |" * 10]
+    for row in rows:
+        lines.append(f"| {row['framework']} | {row['version']} | {row['scenario']} | {row['route']} | {row['steps']} "
+                     f"| {num(row['loss_diff'])} | {num(row['norm_diff'])} | {row['engines']} "
+                     f"| {'pass' if row['ok'] else 'FAIL'} | {row['wall_s'][0]:.0f} / {row['wall_s'][1]:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv-root", default=os.path.expanduser("~/.cache/ds_odc_compat"),
+                        help="where the per-framework virtual environments live (outside the checkout)")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run scenarios whose 'env/scenario-script-argument' contains this (repeatable)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
+    parser.add_argument("--timeout-s", type=int, default=900, help="bound on one run")
+    parser.add_argument("--setup-only", action="store_true", help="build the environments and stop")
+    parser.add_argument("--workdir", help="keep models, outputs and logs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    chosen = [s for s in SCENARIOS if not args.only or any(o in f"{s.env}/{s.argv[-1]}" for o in args.only)]
+    pythons = {name: ensure_env(ENVS[name], args.venv_root) for name in sorted({s.env for s in chosen})}
+    if args.setup_only:
+        return 0
+    with tempfile.TemporaryDirectory(prefix="ds_odc_frameworks_") as scratch:
+        work = os.path.abspath(args.workdir or scratch)
+        os.makedirs(work, exist_ok=True)
+        rows = []
+        for scenario in chosen:
+            python = pythons[scenario.env]
+            model_dir = os.path.join(work, f"model_{scenario.env}")
+            subprocess.run([python, "-c", f"import common; common.write_tiny_model({model_dir!r})"], cwd=SCRIPTS,
+                           check=True, capture_output=True)
+            row = compare(scenario, python, model_dir, work, args)
+            rows.append(row)
+            print(f"{row['framework']} {row['scenario']}: {'pass' if row['ok'] else 'FAIL'} "
+                  f"{'; '.join(row['problems'])} {row['micro_batches']}", flush=True)
+        print("\n" + table(rows))
+    failed = [row for row in rows if not row["ok"]]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} scenarios pass")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
