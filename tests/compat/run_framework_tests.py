@@ -68,7 +68,7 @@ ENVS = {env.name: env for env in (
         [DEEPSPEED, "transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "datasets==4.0.0", "peft==0.18.1",
          "omegaconf", "fire", "einops", "sentencepiece", "tiktoken", "protobuf", "pandas", "scipy", "matplotlib",
          "tyro<0.9", "av<=16.0.0"], ["llamafactory==0.9.5"], stubs=True),
-    # arctic-training 0.8.0 declares torch>=2.5 and pins nothing this venv lacks; transformers 4.57.1 (it asks <5)
+    # arctic-training 0.8.0 asks transformers>=4.56,<5 and an unpinned torch (held at 2.13.0 by the constraint)
     Env("arctic", "arctic-training 0.8.0",
         [DEEPSPEED, "transformers==4.57.1", "peft==0.18.1", "datasets==4.0.0", "arctic-training==0.8.0"]),
 )}
@@ -103,6 +103,8 @@ SCENARIOS = [
              route_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "odc"},
              base_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}),
     Scenario("ArcticTraining", "arctic", "sft", ["arctic_driver.py", "sft"], "odc", torchrun=False),
+    Scenario("ArcticTraining", "arctic", "sft (marker form)", ["arctic_driver.py", "sft_marker"], "marker",
+             torchrun=False),
 ]
 
 

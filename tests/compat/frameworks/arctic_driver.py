@@ -1,13 +1,14 @@
 """ArcticTraining SFT through its own CLI (``arctic_training train.yaml --num_gpus 2``), on 2 CPU ranks.
 
-    python arctic_driver.py sft MODEL_DIR OUTPUT_DIR
+    python arctic_driver.py {sft,sft_marker} MODEL_DIR OUTPUT_DIR
 
 This process only writes what a user writes (a local data set of user/assistant turns, saved with
 ``save_to_disk`` so ArcticTraining's Hugging Face source loads it from the path, and the training YAML)
 and runs the CLI, which starts its ranks through the DeepSpeed launcher. ArcticTraining passes the YAML's
 ``deepspeed:`` dict through (it adds batch sizes, clipping and the like, and keeps ``zero_optimization``
-as written), so ODC is asked for by ``"stage": "odc"`` there (route "odc"); the baseline is the same YAML
-with ``stage: 3``. Its ``HfDeepSpeedConfig(config.deepspeed)`` canonicalises the dict in place before
+as written), so ODC is asked for by ``"stage": "odc"`` there (route "odc", scenario ``sft``) or by the marker
+form, ``stage: 3`` plus an ``odc:`` block (route "marker", scenario ``sft_marker``); the baseline is the same
+YAML with ``stage: 3`` alone. Its ``HfDeepSpeedConfig(config.deepspeed)`` canonicalises the dict in place before
 ``from_pretrained``, so the model is built under ``zero.Init`` on both routes.
 
 The optimizer is ArcticTraining's ``cpu_adam`` (DeepSpeed's ``DeepSpeedCPUAdam``, JIT-built with ninja on
@@ -97,8 +98,8 @@ def saved_weights(checkpoint_root: str, model_dir: str) -> dict:
 
 def main():
     scenario, model_dir, output_dir = sys.argv[1:4]
-    if scenario != "sft":
-        raise SystemExit(f"unknown ArcticTraining scenario {scenario!r} (only 'sft')")
+    if scenario not in ("sft", "sft_marker"):  # the same run; the runner's route picks "odc" or the marker form
+        raise SystemExit(f"unknown ArcticTraining scenario {scenario!r} (sft, sft_marker)")
     os.makedirs(output_dir, exist_ok=True)
     data_path = write_data(output_dir)
     cfg_path = os.path.join(output_dir, "train.yaml")
