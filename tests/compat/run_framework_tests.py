@@ -4,7 +4,8 @@ the way that framework's users can, once on ZeRO-3, on the same data; the losses
 Opt-in (CI does not run it: it installs frameworks). Each framework gets a virtual environment of its own at
 pinned releases (``--venv-root``, outside the checkout), with torch 2.13.0 first and a constraints file
 holding torch at 2.13.0 for every later install (a framework that asks for another torch fails to install
-instead of downloading one), DeepSpeed 0.19.8, and ds_odc from this checkout (``pip install -e``). The
+instead of downloading one), DeepSpeed 0.19.8, and ds_odc (``pip install -e``); the runs put this checkout
+first on ``PYTHONPATH``, so they test this checkout's ds_odc even in a venv built from another one. The
 scenarios are small scripts in ``tests/compat/frameworks/``; a probe (``frameworks/probe/sitecustomize.py``)
 records which engine every ``deepspeed.initialize`` built, and a route whose engines are not the ones asked
 for fails, whatever its losses.
@@ -36,6 +37,7 @@ STUBS_DIR = os.path.join(SCRIPTS, "stubs")
 TORCH = "torch==2.13.0"
 DEEPSPEED = "deepspeed==0.19.8"
 TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (README, Numerics)
+WEIGHT_TOLERANCE = 1e-3  # |diff| of per-tensor sums of saved weights (sums of up to ~25k fp32 values)
 
 
 @dataclass
@@ -51,6 +53,12 @@ class Env:
     def spec(self) -> dict:
         return {"torch": TORCH, "pins": self.pins, "no_deps": self.no_deps, "checkout": CHECKOUT}
 
+    @staticmethod
+    def same_packages(recorded: dict, wanted: dict) -> bool:
+        """A venv built from another checkout is reused: the runs import ds_odc from this one (``PYTHONPATH``)."""
+        return {k: v for k, v in recorded.items() if k != "checkout"} == {k: v for k, v in wanted.items()
+                                                                          if k != "checkout"}
+
 
 ENVS = {env.name: env for env in (
     Env("trl", "trl 1.16.0", [DEEPSPEED, "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0",
@@ -60,8 +68,9 @@ ENVS = {env.name: env for env in (
         [DEEPSPEED, "transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "datasets==4.0.0", "peft==0.18.1",
          "omegaconf", "fire", "einops", "sentencepiece", "tiktoken", "protobuf", "pandas", "scipy", "matplotlib",
          "tyro<0.9", "av<=16.0.0"], ["llamafactory==0.9.5"], stubs=True),
-    # ArcticTraining 0.8.0 installs beside torch 2.13.0 with transformers==4.57.1, peft==0.18.1,
-    # datasets==4.0.0 (checked), but its scenario is not written yet (README, "Framework compatibility suite")
+    # arctic-training 0.8.0 asks transformers>=4.56,<5 and an unpinned torch (held at 2.13.0 by the constraint)
+    Env("arctic", "arctic-training 0.8.0",
+        [DEEPSPEED, "transformers==4.57.1", "peft==0.18.1", "datasets==4.0.0", "arctic-training==0.8.0"]),
 )}
 
 
@@ -93,6 +102,9 @@ SCENARIOS = [
     Scenario("accelerate (axolotl's variables)", "trl", "sft", ["accelerate_env.py"], "env",
              route_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "odc"},
              base_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}),
+    Scenario("ArcticTraining", "arctic", "sft", ["arctic_driver.py", "sft"], "odc", torchrun=False),
+    Scenario("ArcticTraining", "arctic", "sft (marker form)", ["arctic_driver.py", "sft_marker"], "marker",
+             torchrun=False),
 ]
 
 
@@ -103,7 +115,7 @@ def ensure_env(env: Env, root: str) -> str:
     python, stamp = os.path.join(path, "bin", "python"), os.path.join(path, "ds_odc_compat.json")
     if os.path.exists(stamp):
         with open(stamp) as handle:
-            if json.load(handle) == env.spec():
+            if Env.same_packages(json.load(handle), env.spec()):
                 return python
     print(f"setting up {path} ({env.version})", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", path], check=True)
@@ -136,7 +148,7 @@ def run_route(scenario: Scenario, route: str, python: str, model_dir: str, work:
            "DS_ODC_COMPAT_OUT": out, "DS_ODC_COMPAT_PROBE": probe, "DS_ODC_COMPAT_CPU_COMM": "1",
            "DS_ODC_COMPAT_STEPS": str(args.steps), "MASTER_PORT": str(free_port()), "WANDB_MODE": "disabled",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([PROBE_DIR] + ([STUBS_DIR] if ENVS[scenario.env].stubs else [])),
+           "PYTHONPATH": os.pathsep.join([CHECKOUT, PROBE_DIR] + ([STUBS_DIR] if ENVS[scenario.env].stubs else [])),
            **(scenario.route_env if route != "3" else scenario.base_env)}
     for name in ("DS_ODC_STAGE3", "DS_ODC_OPTIONS", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
                  "ACCELERATE_DEEPSPEED_ZERO3_INIT"):
@@ -181,6 +193,16 @@ def max_diff(a: list, b: list):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def weights_diff(a, b):
+    """Max difference of the per-tensor sums a scenario reports for its saved weights (``weights``: {name:
+    [sum, sum of |x|]}); inf when the tensor names differ, None when the scenario saves nothing."""
+    if a is None and b is None:
+        return None
+    if a is None or b is None or set(a) != set(b):
+        return float("inf")
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+
+
 def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) -> dict:
     odc = run_route(scenario, scenario.route, python, model_dir, work, args)
     zero3 = run_route(scenario, "3", python, model_dir, work, args)
@@ -192,6 +214,9 @@ def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) ->
         problems.append(f"losses missing or of different lengths: {odc.get('losses')} vs {zero3.get('losses')}")
     if not problems and loss > TOLERANCE:
         problems.append(f"losses differ by {loss:.3g} > {TOLERANCE}")
+    weights = weights_diff(odc.get("weights"), zero3.get("weights"))
+    if not problems and weights is not None and weights > WEIGHT_TOLERANCE:
+        problems.append(f"saved weights differ: max |per-tensor sum diff| {weights:.3g} > {WEIGHT_TOLERANCE}")
     if not engines_ok(odc, True):
         problems.append(f"route {scenario.route} built {engine_summary(odc)}, not ODCEngine")
     if not engines_ok(zero3, False):
@@ -199,7 +224,7 @@ def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) ->
     return {"framework": scenario.framework, "version": ENVS[scenario.env].version, "scenario": scenario.name,
             "route": scenario.route, "steps": len(odc.get("losses") or []), "loss_diff": loss, "norm_diff": norms,
             "engines": engine_summary(odc), "micro_batches": " ".join(odc.get("micro_batches") or []),
-            "ok": not problems, "problems": problems, "wall_s": (odc["wall_s"], zero3["wall_s"])}
+            "weights_diff": weights, "ok": not problems, "problems": problems, "wall_s": (odc["wall_s"], zero3["wall_s"])}
 
 
 def table(rows: list) -> str:
@@ -241,8 +266,9 @@ def main(argv=None) -> int:
                            check=True, capture_output=True)
             row = compare(scenario, python, model_dir, work, args)
             rows.append(row)
+            saved = "" if row["weights_diff"] is None else f"saved weights: max |per-tensor sum diff| {row['weights_diff']:.1e} "
             print(f"{row['framework']} {row['scenario']}: {'pass' if row['ok'] else 'FAIL'} "
-                  f"{'; '.join(row['problems'])} {row['micro_batches']}", flush=True)
+                  f"{'; '.join(row['problems'])} {saved}{row['micro_batches']}", flush=True)
         print("\n" + table(rows))
     failed = [row for row in rows if not row["ok"]]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} scenarios pass")
