@@ -6,8 +6,9 @@ together. The buffer is pinned when CUDA is available (asynchronous device-to-ho
 plain host memory otherwise; it grows only while empty, to the largest reservation seen.
 
 A micro-batch takes a :class:`Lease` (``reserve``), carves one slice per offloaded storage out of it
-(``Lease.take``, aligned to 8 bytes so any dtype can view it) and gives it back after its backward
-(``Lease.release``). Should a second lease be asked for while one is alive (two forwards before a backward),
+(``Lease.take``, back to back: a slice is only the byte destination of a copy, never viewed as its dtype,
+since what comes back is copied into a fresh device allocation) and gives it back after its backward
+(``Lease.release``). So the bytes in use are exactly the bytes offloaded. Should a second lease be asked for while one is alive (two forwards before a backward),
 it gets a buffer of its own for its lifetime: correct, but no longer bounded by the largest offload
 (``PoolStats.overflow_leases`` counts them).
 """
@@ -17,13 +18,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-
-ALIGNMENT = 8
-
-
-def _align(nbytes: int) -> int:
-    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
 
 @dataclasses.dataclass
 class PoolStats:
@@ -36,7 +30,7 @@ class PoolStats:
 
 
 class Lease:
-    """A micro-batch's slice of host memory: ``take(n)`` hands out consecutive aligned byte slices."""
+    """A micro-batch's slice of host memory: ``take(n)`` hands out consecutive byte slices."""
 
     def __init__(self, pool: "HostPool", buffer: torch.Tensor, in_pool: bool):
         self._pool, self._buffer, self._in_pool = pool, buffer, in_pool
@@ -46,7 +40,7 @@ class Lease:
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """A uint8 host slice of ``nbytes``, or None when the lease has no room left (the caller keeps the
         tensor on the device: a plan made from a stale profile never overruns the pool)."""
-        start = _align(self.used)
+        start = self.used
         if start + nbytes > self._buffer.numel():
             return None
         self.used = start + nbytes
@@ -69,9 +63,9 @@ class HostPool:
         self._lease: Optional[Lease] = None
         self.stats = PoolStats()
 
-    def reserve(self, nbytes: int, pieces: int = 1) -> Lease:
-        """A lease of ``nbytes`` (plus alignment slack for ``pieces`` slices)."""
-        need = nbytes + ALIGNMENT * max(pieces, 1)
+    def reserve(self, nbytes: int) -> Lease:
+        """A lease of ``nbytes``."""
+        need = nbytes
         if self._lease is not None and not self._lease.released:
             self.stats.overflow_leases += 1
             return Lease(self, self._allocate(need), in_pool=False)

@@ -124,7 +124,7 @@ class EngineOffload:
             self.history.append(MicroBatchStats(tokens, 0, 0))
             yield
             return
-        lease = self.pool.reserve(decision.offload_bytes, decision.tensors)
+        lease = self.pool.reserve(decision.offload_bytes)
         micro_batch = MicroBatchOffload(decision, lease, self.device, self.is_parameter, self.eligible, self._streams)
         self._live.append(micro_batch)
         self.history.append(micro_batch.stats)
