@@ -166,3 +166,24 @@ class EngineOffload:
         if not self.profile.offloadable:
             logger.warning(f"ds_odc activation offload: mode {self.options.mode!r} finds no saved tensor to offload in "
                            "this model (\"checkpoint_inputs\" needs torch's reentrant activation checkpointing)")
+
+
+def offload_aware_cost(trainer, cost_model, measured: bool):
+    """LB-Mini's cost model for a balanced Trainer whose engine offloads activations: the measured model (in
+    seconds) plus the transfer it cannot hide (:class:`~ds_odc.balance.cost.OffloadAwareCost`), from the
+    calibrated bytes per token and copy rate averaged over ranks (one gather, so every rank plans alike).
+    A cost model not in seconds ("tokens", a given formula) cannot add seconds: it is returned as it is."""
+    from ds_odc.balance.cost import OffloadAwareCost, OffloadTransfer
+    from ds_odc.integration.hf_gather import gather_rows
+
+    offload = getattr(trainer.accelerator.deepspeed_engine_wrapped.engine, "odc_activation_offload", None)
+    if offload is None:
+        return cost_model
+    if not measured or offload.profile is None:
+        if trainer.is_world_process_zero():
+            logger.info("ds_odc activation offload: the balance plan does not price the offload transfer (only "
+                        "\"cost_model\": \"measure\" is in seconds)")
+        return cost_model
+    row = torch.tensor([offload.profile.bytes_per_token, offload.copy_rate], dtype=torch.float64)
+    bytes_per_token, rate = gather_rows(trainer, row, "activation-offload profile").mean(dim=0).tolist()
+    return OffloadAwareCost.around(cost_model, OffloadTransfer(bytes_per_token, offload.budget_bytes, rate))

@@ -25,6 +25,7 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost
 from ds_odc.errors import ODCConfigError, ODCError
+from ds_odc.integration.activation_offload import offload_aware_cost
 from ds_odc.integration.hf_cost import measure_cost_model
 
 
@@ -170,6 +171,7 @@ def slot_loader(trainer, loader, config: BalanceConfig):
         if "planner" not in decided:
             padding = _decide_padding(config, dataset, collate_fn, members, length_of)
             cost_model = cost_model_of(config) or measure_cost_model(trainer, config)
+            cost_model = offload_aware_cost(trainer, cost_model, measured=config.cost_model == "measure")
             decided["planner"] = StepPlanner(world_size, rank, config.token_cap, config.policy, cost_model,
                                              padding, config.pad_to_multiple_of)
             if trainer.is_world_process_zero():

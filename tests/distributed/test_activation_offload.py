@@ -6,6 +6,7 @@ import torch
 from ds_odc.activations import SavedProfile, decide
 from tests.distributed.activation_workloads import train_offload_variants
 from tests.distributed.harness import run_ranks
+from tests.distributed.workloads import bad_configs, ds_config
 
 #: 1000 bytes: the 2- and 5-row micro-batches fit (160 saved bytes per row), the 8-row ones offload a part.
 PARTIAL = {"budget_mb": 1000 / 2 ** 20}
@@ -63,3 +64,24 @@ def test_checkpoint_inputs_mode_moves_only_the_inputs_of_reentrant_checkpoints()
         # four checkpoints: x (5 floats per row) and three hidden states (7 each); the last layer's input stays
         assert inputs_only["profile"] == ((20.0, 28.0, 28.0, 28.0), 28.0)
         assert every["profile"] == ((20.0, 28.0, 28.0, 28.0, 28.0), 0.0)
+
+
+def test_bad_activation_offload_configs_fail_at_initialize_naming_the_option():
+    """At deepspeed.initialize, the way users meet them (every kind of bad value: tests/unit/test_activation_offload.py)."""
+    def offload(block, **extra):
+        return {**ds_config("odc", odc={"activation_offload": block}), **extra}
+
+    cases = {
+        "no budget": (offload({"mode": "all"}), "zero_optimization.odc.activation_offload.budget_mb: Field required"),
+        "unknown mode": (offload({"budget_mb": 1, "mode": "some"}), "'all' or 'checkpoint_inputs'"),
+        "DeepSpeed CPU checkpointing": (offload({"budget_mb": 1}, activation_checkpointing={"cpu_checkpointing": True}),
+                                        "activation_checkpointing.cpu_checkpointing=True with "
+                                        "zero_optimization.odc.activation_offload"),
+    }
+    good = {"offload": offload({"budget_mb": 0.5, "mode": "checkpoint_inputs"})}
+    messages = run_ranks(bad_configs, 1, [(name, cfg) for name, (cfg, _) in cases.items()] + list(good.items()))[0]
+    for name, (_, expected) in cases.items():
+        assert messages[name] is not None and messages[name].startswith("ODCConfigError"), f"{name}: {messages[name]}"
+        assert expected in messages[name], f"{name}: {messages[name]}"
+    for name in good:
+        assert messages[name] is None, f"{name}: {messages[name]}"
