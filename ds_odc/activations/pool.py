@@ -32,8 +32,9 @@ class PoolStats:
 class Lease:
     """A micro-batch's slice of host memory: ``take(n)`` hands out consecutive byte slices."""
 
-    def __init__(self, pool: "HostPool", buffer: torch.Tensor, in_pool: bool):
+    def __init__(self, pool: "HostPool", buffer: torch.Tensor, size: int, in_pool: bool):
         self._pool, self._buffer, self._in_pool = pool, buffer, in_pool
+        self.size = size
         self.used = 0
         self.released = False
 
@@ -41,7 +42,7 @@ class Lease:
         """A uint8 host slice of ``nbytes``, or None when the lease has no room left (the caller keeps the
         tensor on the device: a plan made from a stale profile never overruns the pool)."""
         start = self.used
-        if start + nbytes > self._buffer.numel():
+        if start + nbytes > self.size:
             return None
         self.used = start + nbytes
         if self._in_pool:
@@ -68,12 +69,12 @@ class HostPool:
         need = nbytes
         if self._lease is not None and not self._lease.released:
             self.stats.overflow_leases += 1
-            return Lease(self, self._allocate(need), in_pool=False)
+            return Lease(self, self._allocate(need), need, in_pool=False)
         if need > self._buffer.numel():
             self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
             self._buffer = self._allocate(need)
             self.stats.capacity = need
-        self._lease = Lease(self, self._buffer, in_pool=True)
+        self._lease = Lease(self, self._buffer, need, in_pool=True)
         return self._lease
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
