@@ -160,3 +160,31 @@ def test_lb_mini_balances_with_the_transfer_priced():
     assert plan.rank_costs() == pytest.approx(priced)  # the plan is priced with the transfer
     assert max(priced) <= max(sum(model.micro_batch_cost([lengths[i] for i in batch]) for batch in rank)
                               for rank in plain.micro_batches) + 1e-9
+
+
+# -- measurements: the GPU benchmark skips without CUDA, and its GPU-kit verdict ---------------------------------
+def test_the_gpu_benchmark_skips_cleanly_without_cuda(capsys, monkeypatch):
+    from benchmarks import activation_offload
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert activation_offload.main(["--device", "cuda"]) == 0
+    assert "no CUDA device here; skipped" in capsys.readouterr().out
+
+
+def test_the_gpu_kit_verdict_holds_the_planned_offload_to_the_issue_s_goal(tmp_path):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    from gpu_validation import verdicts
+    from gpu_validation.runner import Run, Status
+
+    def run(peak, seconds):
+        rows = lambda p, s: {"rows": [{"length": 8192, "peak": p, "seconds": s, "moved": 0, "naive": 0}]}  # noqa: E731
+        (tmp_path / "activation_offload.json").write_text(json.dumps({"off": rows(100.0, 1.0),
+                                                                      "planned": rows(peak, seconds)}))
+        return verdicts.activation_offload_verdict(Run(0, 1.0, "", scratch=str(tmp_path)))
+
+    assert run(45.0, 1.04).status == Status.PASS
+    assert run(60.0, 1.0).status == Status.FAIL and run(40.0, 1.2).status == Status.FAIL
