@@ -91,7 +91,10 @@ class MicroBatchOffload:
         self._is_parameter, self._eligible, self._streams = is_parameter, eligible, streams
         self._stored: list[_Stored] = []
         self._by_address: dict[int, _Stored] = {}
+        self._seen: dict[tuple, StorageWeakRef] = {}
         self.stats = MicroBatchStats(decision.tokens, decision.tensors, decision.offload_bytes)
+        self.observed: list[int] = []  # bytes of each offloadable storage saved, in order (a fresh profile)
+        self.observed_kept = 0  # bytes of the storages the mode excludes
 
     def hooks(self):
         """The ``saved_tensors_hooks`` context for the micro-batch's forward."""
@@ -104,12 +107,14 @@ class MicroBatchOffload:
         if self._is_parameter(tensor):
             self.stats.parameter_saves += 1
             return tensor
-        if not self._eligible(tensor):
-            return tensor
-        storage = tensor.untyped_storage()
-        stored = self._by_address.get(storage.data_ptr())
-        if stored is not None and not stored.alive.expired():
+        storage, offloadable = tensor.untyped_storage(), self._eligible(tensor)
+        if self._seen_before(storage, offloadable):
+            stored = self._by_address.get(storage.data_ptr()) if offloadable else None
+            if stored is None:  # excluded, or past the planned count: it stays, and was counted
+                return tensor
             self.stats.deduplicated += 1
+        elif not offloadable:
+            return tensor
         else:
             stored = self._offload(storage)
             if stored is None:
@@ -118,13 +123,26 @@ class MicroBatchOffload:
         stored.uses += 1
         return _Packed(stored, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
+    def _seen_before(self, storage, offloadable: bool) -> bool:
+        """Whether this live storage was saved before in this micro-batch (in the same category); a new one is
+        recorded in ``observed`` (or ``observed_kept``) and any record of a dead storage at its address dropped."""
+        key = (offloadable, storage.data_ptr())
+        known = self._seen.get(key)
+        if known is not None and not known.expired():
+            return True
+        self._seen[key] = StorageWeakRef(storage)
+        if offloadable:
+            self._by_address.pop(storage.data_ptr(), None)
+            self.observed.append(storage.nbytes())
+        else:
+            self.observed_kept += storage.nbytes()
+        return False
+
     def _offload(self, storage) -> Optional[_Stored]:
         nbytes = storage.nbytes()
         if nbytes == 0 or self.stats.moved_tensors >= self.decision.tensors:
             return None
         host = self._lease.take(nbytes)
-        if host is None:  # the plan's profile was stale: keep it rather than overrun the pool
-            return None
         source = _bytes_of(storage)
         if self._streams is None:
             host.copy_(source)
@@ -185,6 +203,7 @@ class MicroBatchOffload:
     def finish(self) -> None:
         """After the micro-batch's backward: the host slices go back to the pool."""
         self._by_address.clear()
+        self._seen.clear()
         self._lease.release()
 
 

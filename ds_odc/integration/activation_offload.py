@@ -10,7 +10,8 @@ The micro-batch's token count: set ahead by the caller that planned it (:meth:`E
 what a balanced Trainer slot does with its plan's tokens), else read from the inputs: ``input_ids`` (its
 number of elements), else the first tensor argument (integer: its elements; floating: its rows, all
 dimensions but the last). The profile is calibrated on the first training micro-batch
-(:mod:`ds_odc.activations.calibrate`) and logged. The step protocol is untouched: nothing here
+(:mod:`ds_odc.activations.calibrate`) and logged, then follows the longest micro-batch that offloaded (what
+its hooks observed), so sizes that grow faster than tokens are estimated from the long micro-batches. The step protocol is untouched: nothing here
 communicates.
 """
 from __future__ import annotations
@@ -72,6 +73,7 @@ class EngineOffload:
         self.budget_bytes = options.budget_mb * MIB
         self.pool = HostPool()
         self.profile: Optional[SavedProfile] = None
+        self.profile_tokens = 0  # the micro-batch the profile was measured on (the longest that offloaded)
         self.copy_rate: Optional[float] = None  # bytes per second, measured with the profile
         self.history: collections.deque[MicroBatchStats] = collections.deque(maxlen=HISTORY)
         self._parameters = list(module.parameters())
@@ -143,17 +145,28 @@ class EngineOffload:
             return
         done = [mb for mb in self._live if mb.stats.returned_bytes > 0 or mb.stats.moved_tensors == 0]
         for micro_batch in done:
-            micro_batch.finish()
+            self._finish(micro_batch)
         self._live = [mb for mb in self._live if mb not in done]
 
     def at_step(self) -> None:
         """At the optimizer step every graph of the step has been backwarded or dropped."""
         for micro_batch in self._live:
-            micro_batch.finish()
+            self._finish(micro_batch)
         self._live = []
+
+    def _finish(self, micro_batch: MicroBatchOffload) -> None:
+        """Release its host slices; a micro-batch longer than the profile's becomes the profile (saved sizes
+        that grow faster than tokens, e.g. eager attention's s², are then estimated from the long ones)."""
+        micro_batch.finish()
+        tokens = micro_batch.stats.tokens
+        if tokens > self.profile_tokens and micro_batch.observed:
+            self.profile = SavedProfile(tuple(size / tokens for size in micro_batch.observed),
+                                        micro_batch.observed_kept / tokens)
+            self.profile_tokens = tokens
 
     def _calibrate(self, run_forward, tokens: int) -> None:
         self.profile = measure_profile(run_forward, tokens, self.device, self.is_parameter, self.eligible)
+        self.profile_tokens = tokens
         self.copy_rate = measure_copy_rate(self.device, self.pool.pin)
         fit = tokens_that_fit(self.profile, self.budget_bytes, offload=False)
         fit_offloaded = tokens_that_fit(self.profile, self.budget_bytes)

@@ -63,13 +63,18 @@ def test_plan_and_pool_size_follow_the_largest_single_offload():
     assert tokens_that_fit(SavedProfile((1.0,)), 800) is None  # nothing stays: the budget no longer bounds the cap
 
 
-def test_the_pool_grows_to_the_largest_lease_and_serves_a_second_live_lease_outside_it():
+def test_the_pool_grows_to_the_largest_offload_spills_what_a_plan_missed_and_serves_a_second_live_lease_apart():
     pool = HostPool(pin=False)
     for size in (300, 1000, 200):
         lease = pool.reserve(size)
-        assert lease.take(size - 100) is not None and lease.take(101) is None  # never overruns its lease
+        first, second = lease.take(size - 100), lease.take(100)
+        assert first.data_ptr() + size - 100 == second.data_ptr()  # back to back in the one buffer
         lease.release()
-    assert (pool.stats.capacity, pool.stats.high_water, pool.stats.overflow_leases) == (1000, 900, 0)
+    assert (pool.stats.capacity, pool.stats.high_water, pool.stats.spilled_bytes) == (1000, 1000, 0)
+    lease = pool.reserve(500)  # the plan said 500, the micro-batch saved 1200: 200 spill, none stays behind
+    assert lease.take(1000).numel() == 1000 and lease.take(200).numel() == 200
+    lease.release()
+    assert (pool.stats.capacity, pool.stats.high_water, pool.stats.spilled_bytes) == (1200, 1200, 200)
     first = pool.reserve(100)
     second = pool.reserve(100)  # two forwards before a backward: correct, counted
     assert second.take(100) is not None and pool.stats.overflow_leases == 1
@@ -188,3 +193,36 @@ def test_the_gpu_kit_verdict_holds_the_planned_offload_to_the_issue_s_goal(tmp_p
 
     assert run(45.0, 1.04).status == Status.PASS
     assert run(60.0, 1.0).status == Status.FAIL and run(40.0, 1.2).status == Status.FAIL
+
+
+class _Attention(torch.nn.Module):
+    """Saves an s×s tensor: bytes per token grow with the length (eager attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = torch.softmax(self.q(x) @ x.t(), dim=-1)
+        return (scores @ x).sum()
+
+
+def test_everything_planned_moves_even_past_the_estimate_and_the_profile_follows_the_longest_micro_batch():
+    from ds_odc.config import ActivationOffloadConfig
+    from ds_odc.integration.activation_offload import EngineOffload
+
+    model = _Attention()
+    offload = EngineOffload(ActivationOffloadConfig(budget_mb=0), model, "cpu")
+    for rows in (4, 16, 8):
+        x = torch.randn(rows, 4)
+        with offload.forward(lambda: model(x), (x,), {}, training=True):
+            loss = model(x)
+        offload.before_backward()
+        loss.backward()
+        offload.after_backward()
+        stats = offload.history[-1]
+        assert stats.moved_tensors == stats.planned_tensors and stats.kept_bytes == 0  # nothing stays behind
+    per_token = [stats.moved_bytes / stats.tokens for stats in offload.history]
+    assert per_token[1] > per_token[0]  # the 16-row micro-batch's s² scores outgrew the 4-row estimate: spilled
+    assert offload.pool.stats.spilled_bytes > 0 and offload.profile_tokens == 16
+    assert offload.history[2].planned_bytes >= offload.history[2].moved_bytes  # estimated from the longest now
