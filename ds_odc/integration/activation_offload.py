@@ -85,8 +85,14 @@ class EngineOffload:
 
     # -- what is offloaded -----------------------------------------------------------------------------
     def is_parameter(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, torch.nn.Parameter):
+        """A parameter, a view of one, or any tensor on a parameter's (gathered) storage or its shard's. An
+        operation's own output (not a view: a view's ``_base`` is its root) owns fresh storage, so only leaves
+        and detached tensors are compared with every parameter's storage (per save, that would cost O(params))."""
+        root = tensor._base if tensor._base is not None else tensor
+        if isinstance(root, torch.nn.Parameter):
             return True
+        if root.grad_fn is not None:
+            return False
         address = tensor.untyped_storage().data_ptr()
         for param in self._parameters:
             if param.data.untyped_storage().data_ptr() == address:
