@@ -195,7 +195,8 @@ def offload_aware_cost(trainer, cost_model, measured: bool):
     from ds_odc.balance.cost import OffloadAwareCost, OffloadTransfer
     from ds_odc.integration.hf_gather import gather_rows
 
-    offload = getattr(trainer.accelerator.deepspeed_engine_wrapped.engine, "odc_activation_offload", None)
+    wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
+    offload = getattr(getattr(wrapped, "engine", None), "odc_activation_offload", None)
     if offload is None:
         return cost_model
     if not measured or offload.profile is None:
