@@ -204,6 +204,8 @@ class MicroBatchOffload:
         """After the micro-batch's backward: the host slices go back to the pool."""
         self._by_address.clear()
         self._seen.clear()
+        if self._streams is not None:  # the next micro-batch's copies into these slices wait for every read
+            self._streams[0].wait_stream(self._streams[1])  # of them (a prefetch backward never unpacked too)
         self._lease.release()
 
 

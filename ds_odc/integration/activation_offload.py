@@ -71,7 +71,7 @@ class EngineOffload:
     def __init__(self, options: ActivationOffloadConfig, module: torch.nn.Module, device):
         self.options, self.device = options, torch.device(device)
         self.budget_bytes = options.budget_mb * MIB
-        self.pool = HostPool()
+        self.pool = HostPool(pin=self.device.type == "cuda")
         self.profile: Optional[SavedProfile] = None
         self.profile_tokens = 0  # the micro-batch the profile was measured on (the longest that offloaded)
         self.copy_rate: Optional[float] = None  # bytes per second, measured with the profile
