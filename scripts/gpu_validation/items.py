@@ -111,6 +111,9 @@ def correctness(ctx: Context) -> List[Item]:
         ctx.pytest("fault-matrix", "SIGKILL at forward, push, fence; an owner dying mid-pull: the survivor raises "
                    "ODCPeerError naming it and its device still computes", ["tests/gpu/test_cuda_faults.py"],
                    "owner-dies-mid-pull" if smoke else None, 360),
+        ctx.pytest("activation-offload", "saved activations through the pinned pool on copy and prefetch streams: "
+                   "bit-identical, the long micro-batch's peak memory falls", ["tests/gpu/test_activation_offload_cuda.py"],
+                   None, 240),
         distinct,
     ]
 

@@ -59,3 +59,38 @@ def train_offload_variants(variants, counts=(1, 3), steps=3, checkpointed=False)
     """One training per entry of ``variants`` (None: offload off; else the activation_offload block), in the
     same ranks, one after the other."""
     return [_train(offload, counts, steps, checkpointed) for offload in variants]
+
+
+def cuda_offload_variants(variants, rows=(64, 4096), steps=2):
+    """On the rank's GPU: an 8-layer MLP (activations dominate its memory) with offload off and on; losses,
+    parameters, each micro-batch's peak memory above what was allocated before it, and the offload history."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for offload in variants:
+        odc = {"accumulator_dtype": "fp64"}
+        if offload is not None:
+            odc["activation_offload"] = offload
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+                                      for _ in range(8)])
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config("odc", managed=False, odc=odc))
+        record = {"losses": [], "peaks": []}
+        for step in range(steps):
+            for n in rows:
+                x = torch.randn(n, 256, generator=torch.Generator().manual_seed(100 * step + n)).to(device)
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                loss = engine(x).float().pow(2).mean()
+                engine.backward(loss)
+                torch.cuda.synchronize(device)
+                record["peaks"].append(torch.cuda.max_memory_allocated(device) - before)
+                record["losses"].append(loss.item())
+            engine.step()
+        record["params"] = {name: tensor.cpu() for name, tensor in full_params(engine).items()}
+        if engine.odc_activation_offload is not None:
+            record["history"] = [vars(stats).copy() for stats in engine.odc_activation_offload.history]
+            record["pinned"] = engine.odc_activation_offload.pool.pin
+        engine.destroy()
+        results.append(record)
+    return results
