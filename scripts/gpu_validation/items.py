@@ -160,7 +160,7 @@ def performance(ctx: Context) -> List[Item]:
              "CUDA-event timeline", [ctx.python, "benchmarks/gpu_overlap.py", "--json", "{scratch}/overlap.json",
                                      "--png", "{out}/timeline.png"], 300, verdicts.overlap_verdict, env, ctx.root,
              unavailable=no_gpu),
-        Item("activation-offload", "peak device memory and forward+backward time against sequence length, "
+        Item("activation-offload-memory", "peak device memory and forward+backward time against sequence length, "
              "activation offload off / all / planned and save_on_cpu, one rank",
              [ctx.python, "benchmarks/activation_offload.py", "--device", "cuda", "--lengths", "2048", "4096", "8192",
               "16384", "--dim", "1024", "--layers", "8", "--json", "{scratch}/activation_offload.json"],
