@@ -226,3 +226,24 @@ def test_everything_planned_moves_even_past_the_estimate_and_the_profile_follows
     assert per_token[1] > per_token[0]  # the 16-row micro-batch's s² scores outgrew the 4-row estimate: spilled
     assert offload.pool.stats.spilled_bytes > 0 and offload.profile_tokens == 16
     assert offload.history[2].planned_bytes >= offload.history[2].moved_bytes  # estimated from the longest now
+
+
+def test_the_engine_side_decides_only_for_training_forwards_and_takes_a_planned_token_count():
+    from ds_odc.config import ActivationOffloadConfig
+    from ds_odc.integration.activation_offload import EngineOffload, tokens_of
+
+    model = _Model()
+    offload = EngineOffload(ActivationOffloadConfig(budget_mb=0), model, "cpu")
+    x = torch.randn(5, 6)
+    with offload.forward(lambda: model(x), (x,), {}, training=False):  # evaluation: nothing, not even calibration
+        model(x)
+    with torch.no_grad(), offload.forward(lambda: model(x), (x,), {}, training=True):
+        model(x)
+    assert offload.profile is None and not offload.history
+    offload.plan_next(7)  # a planner's count wins over the inputs' (5 rows)
+    with offload.forward(lambda: model(x), (x,), {}, training=True):
+        loss = model(x)
+    loss.backward()
+    offload.after_backward()
+    assert [stats.tokens for stats in offload.history] == [7] and offload.profile_tokens == 7
+    assert tokens_of((), {"input_ids": torch.zeros(3, 4, dtype=torch.long)}) == 12 and tokens_of(({"a": 1},), {}) is None
