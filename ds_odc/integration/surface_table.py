@@ -260,6 +260,10 @@ SURFACE: tuple[PrivateName, ...] = (
     # -- torch.utils.checkpoint: what "checkpoint_inputs" recognises ---------------------------------------
     PrivateName("torch.utils.checkpoint", None, "CheckpointFunction", Kind.MODULE_ATTRIBUTE, _ACTIVATIONS,
                 "the reentrant checkpoint's autograd Function, whose apply saves the checkpoint inputs"),
+    PrivateName("torch", "Tensor", "_base", Kind.CLASS_ATTRIBUTE, _ACTIVATIONS,
+                "a view's root: a view of a parameter is never offloaded, an operation's own output needs no scan"),
+    PrivateName("torch.multiprocessing.reductions", None, "StorageWeakRef", Kind.MODULE_ATTRIBUTE,
+                "ds_odc/activations/hooks.py", "tells a storage still alive from a new one at a reused address"),
     PrivateName("torch.distributed.distributed_c10d", None, "_get_default_group", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
                 "the world process group"),
     PrivateName("torch.distributed.distributed_c10d", None, "_get_default_store", Kind.MODULE_ATTRIBUTE, _INIT,
