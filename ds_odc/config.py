@@ -88,6 +88,24 @@ class BalanceConfig(BaseModel):
     """The field of a dataset item whose length is the sample's token count. Default "input_ids"."""
 
 
+class ActivationOffloadConfig(BaseModel):
+    """Saved activations copied to one host pool per micro-batch, as much as keeps the rest under a budget
+    (see README, "Activation offload")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    budget_mb: Annotated[float, Field(ge=0)]
+    """Activation memory (MiB) a micro-batch may keep on the device. A micro-batch whose estimated saved
+    activations (its tokens × the bytes per token calibrated on the first micro-batch) fit is left alone;
+    a longer one offloads its first saved tensors (the first layers', alive longest) until the rest fits.
+    0: offload everything the mode allows. Required; at least 0."""
+
+    mode: Literal["all", "checkpoint_inputs"] = "all"
+    """Which saved tensors may go to the host: "all" (every saved activation; never parameters or ZeRO-3's
+    gathered parameter buffers) or "checkpoint_inputs" (only the inputs saved by activation checkpointing's
+    reentrant CheckpointFunction, torch's or DeepSpeed's, as ALST does). Default "all"."""
+
+
 class ODCConfig(BaseModel):
     """Options of the "odc" stage (``zero_optimization.odc`` in the ds_config)."""
 
@@ -143,6 +161,11 @@ class ODCConfig(BaseModel):
     (``{"policy": "lb-mini", "token_cap": 65536, "cost_model": "tokens"}``; fields under balance.* below
     and in README, "Balancing"). The Trainer then takes the same samples per step as without it, and each
     rank runs its share as its own number of micro-batches. Default null: the Trainer's own batches."""
+
+    activation_offload: Optional[ActivationOffloadConfig] = None
+    """Offload saved activations of the micro-batches that exceed a device budget to one host pool
+    (``{"budget_mb": 2048, "mode": "all"}``; fields under activation_offload.* below and in README,
+    "Activation offload"). Default null: activations stay where autograd saves them."""
 
     @field_validator("shm_dir")
     @classmethod
@@ -221,6 +244,28 @@ def _check_combinations(ds_config: dict) -> None:
                              "the odc stage; use ALST's route instead (the mpu from UlyssesSPAttentionHF."
                              "register_with_transformers(...) passed to deepspeed.initialize, or accelerate's "
                              'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave sequence_parallel_size out')
+
+
+#: Settings activation offload cannot compose with: (path, predicate of "in use", why).
+_OFFLOAD_CONFLICTS = (
+    ("activation_checkpointing.cpu_checkpointing", bool,
+     "DeepSpeed's CPU checkpointing already moves checkpoint inputs to the host; use activation_offload's "
+     "\"mode\": \"checkpoint_inputs\" instead"),
+    ("compile.deepcompile", bool, "DeepCompile traces the forward; saved-tensor hooks do not reach its graph"),
+)
+
+
+def _check_activation_offload(ds_config: dict, options: ODCConfig) -> None:
+    """Activation offload refuses, by name, the settings it cannot compose with (only when it is on)."""
+    if options.activation_offload is None:
+        return
+    for path, in_use, why in _OFFLOAD_CONFLICTS:
+        section, key = path.split(".")
+        block = ds_config.get(section)
+        value = block.get(key) if isinstance(block, dict) else None
+        if value not in (None, "auto") and in_use(value):
+            raise ODCConfigError(f"{path}={value!r} with zero_optimization.odc.activation_offload: {why}; "
+                                 "remove one of the two")
 
 
 def parse_options(options: Optional[dict]) -> ODCConfig:
@@ -308,6 +353,7 @@ def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     else:
         options = parse_options(ds_config.get(MARKER_KEY))
     _check_compatibility(ds_config, asked_by)
+    _check_activation_offload(ds_config, options)
     # Defaults left out: accelerate treats every "auto" string in a ds_config as a placeholder it must
     # fill (and raises for keys it does not know), and "auto" is the default of two options.
     ds_config[MARKER_KEY] = options.model_dump(exclude_defaults=True)

@@ -9,10 +9,10 @@ import json
 import os
 import sys
 
-from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, BalanceConfig, ODCConfig, QuadraticCost
+from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, ActivationOffloadConfig, BalanceConfig, ODCConfig, QuadraticCost
 
 #: Option blocks inside ODCConfig, documented the same way.
-NESTED_MODELS = (BalanceConfig, QuadraticCost)
+NESTED_MODELS = (BalanceConfig, QuadraticCost, ActivationOffloadConfig)
 
 #: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
 _UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",

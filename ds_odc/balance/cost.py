@@ -123,3 +123,57 @@ def nonnegative_least_squares(rows: list[list[float]], target: list[float]) -> l
                     coefficients[column] = value / float(scale[column])
                 best, best_error = coefficients, error
     return best
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadTransfer:
+    """Activation offload's copies of one micro-batch, and the part of their time compute cannot hide.
+
+    A micro-batch of ``t`` tokens saves about ``t × bytes_per_token`` bytes; what exceeds ``budget_bytes``
+    goes to the host during forward and comes back during backward, each way at ``bytes_per_second``.
+    The copy out overlaps the forward (``forward_share`` of the micro-batch's compute), the copy back the
+    backward (the rest); only what sticks out of each costs time. Long micro-batches hide best: attention
+    compute grows with s², the bytes with s.
+
+    >>> transfer = OffloadTransfer(bytes_per_token=10.0, budget_bytes=100.0, bytes_per_second=100.0)
+    >>> transfer.offload_bytes(30), transfer.exposed_seconds(30, compute_seconds=1.5)  # 2 s each way
+    (200.0, 2.5)
+    >>> transfer.exposed_seconds(10, compute_seconds=0.1)  # fits the budget: nothing moves
+    0.0
+    """
+
+    bytes_per_token: float
+    budget_bytes: float
+    bytes_per_second: float
+    forward_share: float = 1.0 / 3.0
+
+    def offload_bytes(self, tokens: int) -> float:
+        return max(0.0, tokens * self.bytes_per_token - self.budget_bytes)
+
+    def exposed_seconds(self, tokens: int, compute_seconds: float) -> float:
+        copy = self.offload_bytes(tokens) / self.bytes_per_second
+        forward = self.forward_share * compute_seconds
+        return max(0.0, copy - forward) + max(0.0, copy - (compute_seconds - forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadAwareCost(CostModel):
+    """A cost model in seconds plus the offload transfer its micro-batches cannot hide (packed micro-batches:
+    the plan's candidates are compared with it, so LB-Mini's balance holds with offload on).
+
+    >>> base = CostModel(quadratic=0.0, linear=0.05)  # 30 tokens: 1.5 s
+    >>> OffloadAwareCost.around(base, OffloadTransfer(10.0, 100.0, 100.0)).micro_batch_cost([30])
+    4.0
+    """
+
+    transfer: OffloadTransfer | None = None
+
+    @classmethod
+    def around(cls, model: CostModel, transfer: OffloadTransfer) -> "OffloadAwareCost":
+        return cls(model.quadratic, model.linear, model.per_micro_batch, transfer)
+
+    def micro_batch_cost(self, lengths: Sequence[int]) -> float:
+        compute = super().micro_batch_cost(lengths)
+        if self.transfer is None:
+            return compute
+        return compute + self.transfer.exposed_seconds(sum(lengths), compute)

@@ -41,6 +41,7 @@ from deepspeed.utils import logger
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError
 from ds_odc.integration import checkpoints, sequence_parallel, zero3_frozen
+from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
@@ -70,6 +71,7 @@ class _EngineState:
     in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
     frozen: Optional[zero3_frozen.FrozenSession] = None  # an engine without an optimizer: its pulls
     lockstep: Optional[SequenceParallelLockstep] = None  # Ulysses SP: the ranks of a group run the same forwards
+    activations: Optional[EngineOffload] = None  # odc.activation_offload: the forward's saved-tensor hooks
 
 
 class ODCEngine(DeepSpeedEngine):
@@ -130,6 +132,16 @@ class ODCEngine(DeepSpeedEngine):
             raise ValueError(f"loss_tokens must be a non-negative integer, got {loss_tokens!r}")
         self._odc.pending_tokens = int(loss_tokens)
 
+    @property
+    def odc_activation_offload(self) -> Optional[EngineOffload]:
+        """The activation offload of this engine (its profile, pool and per-micro-batch ``history``), or None."""
+        return self._odc.activations if self._odc is not None else None
+
+    def odc_plan_activation_offload(self, tokens: int) -> None:
+        """The next training forward's token count, as a planner counted it (else it is read from the inputs)."""
+        if self.odc_activation_offload is not None:
+            self.odc_activation_offload.plan_next(tokens)
+
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
         """``DeepSpeedEngine.backward`` plus an optional ``loss_tokens`` (per-token normalisation).
 
@@ -141,7 +153,10 @@ class ODCEngine(DeepSpeedEngine):
         decided = self._odc_rule_for_backward(scale_wrt_gas)
         optimizer = self.optimizer
         seen = optimizer.odc_gradients_seen
+        offload = self._odc.activations
         try:
+            if offload is not None:
+                offload.before_backward()
             with self._odc_collectives("backward"):
                 result = super().backward(loss, retain_graph=retain_graph,
                                           scale_wrt_gas=scale_wrt_gas and not decided.skips_gas_division)
@@ -149,17 +164,24 @@ class ODCEngine(DeepSpeedEngine):
             if optimizer.odc_gradients_seen != seen:
                 optimizer.odc.fail(err, "backward (part of its gradients already reached the owners)")
             raise
+        if offload is not None:
+            offload.after_backward(retain_graph)
         optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
         return result
 
     def forward(self, *inputs, **kwargs):
-        """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep
-        (:mod:`ds_odc.runtime.lockstep`): the ranks of one SP group run the same micro-batches."""
+        """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep (:mod:`ds_odc.runtime.lockstep`:
+        the ranks of one SP group run the same micro-batches), and under the micro-batch's activation-offload
+        hooks when ``odc.activation_offload`` is set."""
         lockstep = self._odc_lockstep()
         if lockstep is not None:
             lockstep.before_forward()
+        offload = self.odc_activation_offload
         with self._odc_collectives("forward"):
-            return super().forward(*inputs, **kwargs)
+            if offload is None:
+                return super().forward(*inputs, **kwargs)
+            with offload.forward(lambda: self.module(*inputs, **kwargs), inputs, kwargs, self.module.training):
+                return super().forward(*inputs, **kwargs)
 
     def _odc_lockstep(self) -> Optional[SequenceParallelLockstep]:
         """A training engine's own SP lockstep; a frozen engine takes the newest training engine's."""
@@ -222,6 +244,8 @@ class ODCEngine(DeepSpeedEngine):
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):
         self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)), MicroBatchLedger())
+        if self._odc.options.activation_offload is not None:
+            self._odc.activations = EngineOffload(self._odc.options.activation_offload, self.module, self.device)
         if env_switch() is not None:
             logger.info(f"ds_odc: {ENV_SWITCH}=odc runs this stage-3 engine on the odc stage, with options "
                         f"{self._config._param_dict.get(MARKER_KEY)}")
@@ -250,12 +274,16 @@ class ODCEngine(DeepSpeedEngine):
         if not self._running_engine_backward and self.odc_trains:  # a torch-style loss.backward()
             decided = self._odc_rule_for_backward(scale_wrt_gas=True)
             self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
+            if self._odc.activations is not None:
+                self._odc.activations.after_backward()
         return super()._backward_post_hook()
 
     def _take_model_step(self, lr_kwargs):
         if not self.odc_trains:
             return super()._take_model_step(lr_kwargs)
         samples_before = self.global_samples
+        if self._odc.activations is not None:
+            self._odc.activations.at_step()
         with self.optimizer.step_context() as step:
             super()._take_model_step(lr_kwargs)
         if step.totals is not None:  # every rank of an SP group counted the same micro-batches: count each once

@@ -25,6 +25,7 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost
 from ds_odc.errors import ODCConfigError, ODCError
+from ds_odc.integration.activation_offload import offload_aware_cost
 from ds_odc.integration.hf_cost import measure_cost_model
 from ds_odc.integration.hf_sequence_parallel import keep_planned_loader, placement_of, sharding_collator
 
@@ -184,6 +185,7 @@ def slot_loader(trainer, loader, config: BalanceConfig):
                                      "into one (e.g. transformers' DataCollatorWithFlattening) with "
                                      "per_device_train_batch_size=1")
             cost_model = cost_model_of(config) or measure_cost_model(trainer, config)
+            cost_model = offload_aware_cost(trainer, cost_model, measured=config.cost_model == "measure")
             decided["planner"] = StepPlanner(replicas, replica, config.token_cap, config.policy, cost_model,
                                              padding, config.pad_to_multiple_of)
             if trainer.is_world_process_zero():

@@ -60,7 +60,7 @@ OPTIONAL_PACKAGES = ("accelerate", "transformers")
 # The files that use the names.
 _OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zero3_params.py"
 _WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/checkpoints.py"
-_FROZEN = "ds_odc/integration/zero3_frozen.py"
+_FROZEN, _ACTIVATIONS = "ds_odc/integration/zero3_frozen.py", "ds_odc/integration/activation_offload.py"
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
 _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
@@ -254,7 +254,7 @@ SURFACE: tuple[PrivateName, ...] = (
     _parameter_attribute("ds_id", f"{_OPT}, {_PARAMS}, {_FROZEN}", "the window slot of the parameter"),
     _parameter_attribute("ds_numel", f"{_WINDOWS}, {_PARAMS}, {_FROZEN}", "full size of a pull"),
     _parameter_attribute("ds_shape", _PARAMS, "shape of a pulled parameter"),
-    _parameter_attribute("ds_tensor", f"{_WINDOWS}, {_PARAMS}, {_CKPT}, {_FROZEN}",
+    _parameter_attribute("ds_tensor", f"{_WINDOWS}, {_PARAMS}, {_CKPT}, {_FROZEN}, {_ACTIVATIONS}",
                          "this rank's shard, moved into the window"),
     _parameter_attribute("ds_status", f"{_OPT}, {_PARAMS}", "pull state"),
     _parameter_attribute("partition_numel", _WINDOWS, "shard size in the window layout"),
@@ -263,6 +263,13 @@ SURFACE: tuple[PrivateName, ...] = (
     _parameter_attribute("all_gather_coalesced", _PARAMS, "replaced by a pull"),
     _parameter_attribute("partition", _PARAMS, "wrapped: waits for every owner after a modification"),
     # -- torch.distributed: the process group's timeout --------------------------------------------------
+    # -- torch.utils.checkpoint: what "checkpoint_inputs" recognises ---------------------------------------
+    PrivateName("torch.utils.checkpoint", None, "CheckpointFunction", Kind.MODULE_ATTRIBUTE, _ACTIVATIONS,
+                "the reentrant checkpoint's autograd Function, whose apply saves the checkpoint inputs"),
+    PrivateName("torch", "Tensor", "_base", Kind.CLASS_ATTRIBUTE, _ACTIVATIONS,
+                "a view's root: a view of a parameter is never offloaded, an operation's own output needs no scan"),
+    PrivateName("torch.multiprocessing.reductions", None, "StorageWeakRef", Kind.MODULE_ATTRIBUTE,
+                "ds_odc/activations/hooks.py", "tells a storage still alive from a new one at a reused address"),
     PrivateName("torch.distributed.distributed_c10d", None, "_get_default_group", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
                 "the world process group"),
     PrivateName("torch.distributed.distributed_c10d", None, "_get_default_store", Kind.MODULE_ATTRIBUTE, _INIT,

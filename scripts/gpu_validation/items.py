@@ -111,6 +111,9 @@ def correctness(ctx: Context) -> List[Item]:
         ctx.pytest("fault-matrix", "SIGKILL at forward, push, fence; an owner dying mid-pull: the survivor raises "
                    "ODCPeerError naming it and its device still computes", ["tests/gpu/test_cuda_faults.py"],
                    "owner-dies-mid-pull" if smoke else None, 360),
+        ctx.pytest("activation-offload", "saved activations through the pinned pool on copy and prefetch streams: "
+                   "bit-identical, the long micro-batch's peak memory falls", ["tests/gpu/test_activation_offload_cuda.py"],
+                   None, 240),
         distinct,
     ]
 
@@ -157,6 +160,11 @@ def performance(ctx: Context) -> List[Item]:
              "CUDA-event timeline", [ctx.python, "benchmarks/gpu_overlap.py", "--json", "{scratch}/overlap.json",
                                      "--png", "{out}/timeline.png"], 300, verdicts.overlap_verdict, env, ctx.root,
              unavailable=no_gpu),
+        Item("activation-offload-memory", "peak device memory and forward+backward time against sequence length, "
+             "activation offload off / all / planned and save_on_cpu, one rank",
+             [ctx.python, "benchmarks/activation_offload.py", "--device", "cuda", "--lengths", "2048", "4096", "8192",
+              "16384", "--dim", "1024", "--layers", "8", "--json", "{scratch}/activation_offload.json"],
+             420, verdicts.activation_offload_verdict, env, ctx.root, unavailable=no_gpu),
         *sanitizer_items,
     ]
 

@@ -151,6 +151,26 @@ def overlap_verdict(run: Run) -> Verdict:
     return Verdict(Status.PASS, data)
 
 
+def activation_offload_verdict(run: Run) -> Verdict:
+    """The issue's goal on the longest micro-batch: the planned offload cuts its peak memory above what was
+    allocated before it by at least 50% for at most 5% more forward+backward time (against offload off)."""
+    if run.returncode != 0:
+        return Verdict(Status.FAIL, error=f"exit {run.returncode}:\n{tail(run.output, 3000)}")
+    data = read_json(run, "activation_offload.json")
+    rows = {variant: {row["length"]: row for row in result["rows"]} for variant, result in data.items()}
+    longest = max(rows["off"])
+    off, planned = rows["off"][longest], rows["planned"][longest]
+    if not off.get("peak"):
+        return Verdict(Status.INCONCLUSIVE, error="no peak memory recorded (not a CUDA run)")
+    figures = {"tokens": longest, "peak_ratio": planned["peak"] / off["peak"],
+               "time_ratio": planned["seconds"] / off["seconds"]}
+    if "save_on_cpu" in rows:
+        figures["save_on_cpu_time_ratio"] = rows["save_on_cpu"][longest]["seconds"] / off["seconds"]
+    met = figures["peak_ratio"] <= 0.5 and figures["time_ratio"] <= 1.05
+    return Verdict(Status.PASS if met else Status.FAIL, figures,
+                   None if met else f"goal: peak <= 50% of off at <= 5% more time; measured {figures}")
+
+
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
 _REFUSED = ("Device not supported", "error 999", "Unable to find injection library", "Target application terminated "
             "before first instrumented API call", "No supported device")

@@ -62,7 +62,7 @@ def pad_collator(samples):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def balance_ds_config(stage, balance: dict | None) -> dict:
+def balance_ds_config(stage, balance: dict | None, activation_offload: dict | None = None) -> dict:
     """ds_config for ``stage``; the balance block goes under "odc" (on stage 3 it is applied through
     ``hf_balance.balanced_loader`` instead, as the benchmark's baseline does)."""
     zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
@@ -70,6 +70,8 @@ def balance_ds_config(stage, balance: dict | None) -> dict:
         zero["odc"] = {"accumulator_dtype": "fp64"}
         if balance is not None:
             zero["odc"]["balance"] = balance
+        if activation_offload is not None:
+            zero["odc"]["activation_offload"] = activation_offload
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10_000,
             "zero_optimization": zero}
@@ -87,7 +89,7 @@ def _full_parameters(model, distributed: bool) -> dict:
 def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, steps: int = 5,
                          per_device: int = 4, accumulation: int = 2, world: int | None = None,
                          collator=None, resume_from: str | None = None, save_steps: int = 0,
-                         workers: int = 0) -> dict:
+                         workers: int = 0, activation_offload: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps; record the full weights and the loss after every step and how many
     micro-batches this rank ran in each. ``stage=None``: one plain process without DeepSpeed whose
     accumulation covers ``world`` ranks' batches (the same samples per step)."""
@@ -110,7 +112,7 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
     record = logs
     forwards = [0]
     args = TrainingArguments(
-        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance) if distributed else None, use_cpu=True,
+        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance, activation_offload) if distributed else None, use_cpu=True,
         max_steps=steps, per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation if distributed else accumulation * world,
         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0,
@@ -142,7 +144,9 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
     from safetensors.torch import load_file
 
     saved = load_file(os.path.join(output_dir, "final", "model.safetensors"))
-    return {"counts": counts, "weights": weights, "losses": losses, "logs": logs, "eval_loss": eval_loss,
+    offload = getattr(trainer.model_wrapped, "odc_activation_offload", None)
+    offloaded = None if offload is None else [(s.tokens, s.moved_bytes, s.planned_bytes) for s in offload.history]
+    return {"offloaded": offloaded, "counts": counts, "weights": weights, "losses": losses, "logs": logs, "eval_loss": eval_loss,
             "saved": saved, "engine": type(trainer.model_wrapped).__name__}
 
 

@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from ds_odc.config import BalanceConfig, ODCConfig, QuadraticCost
+from ds_odc.config import ActivationOffloadConfig, BalanceConfig, ODCConfig, QuadraticCost
 from ds_odc.config_schema import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,13 +46,19 @@ def test_readme_documents_every_option_with_its_default():
         assert row in documented, f"README 'Options' table has no row for {row}"
         expected = "required" if field.is_required() else field.default
         assert (documented[row] if field.is_required() else json.loads(documented[row])) == expected, row
-    known = set(ODCConfig.model_fields) | {f"balance.{name}" for name in BalanceConfig.model_fields}
+    for name, field in ActivationOffloadConfig.model_fields.items():
+        row = f"activation_offload.{name}"
+        assert row in documented, f"README 'Options' table has no row for {row}"
+        expected = "required" if field.is_required() else field.default
+        assert (documented[row] if field.is_required() else json.loads(documented[row])) == expected, row
+    known = set(ODCConfig.model_fields) | {f"balance.{name}" for name in BalanceConfig.model_fields} | \
+        {f"activation_offload.{name}" for name in ActivationOffloadConfig.model_fields}
     assert set(documented) <= known, set(documented) - known
 
 
 def test_nested_blocks_are_in_the_schema_with_their_fields_documented():
     defs = generate()["$defs"]
-    for model in (BalanceConfig, QuadraticCost):
+    for model in (BalanceConfig, QuadraticCost, ActivationOffloadConfig):
         spec = defs[model.__name__]
         assert spec["additionalProperties"] is False and set(spec["properties"]) == set(model.model_fields)
         assert all(field.get("description") for field in spec["properties"].values()), model.__name__
