@@ -78,9 +78,11 @@ def sft_texts(n: int = 64) -> list[str]:
 
 
 def preference_rows(n: int = 64) -> list[dict]:
-    """prompt / chosen / rejected, lengths varying with i (the balance scenario needs uneven costs; its
-    prompts have 18 to 33 bytes: no two fit under a cap of the longest, yet their costs differ)."""
-    return [{"prompt": f"say {sentence(i, 8)}"[:17 + (i * 7) % 16] + ":", "chosen": " " + sentence(i + 1, 1 + (i * 5) % 7),
+    """prompt / chosen / rejected, lengths varying with i (the balance scenario needs uneven costs: one prompt
+    in four has 33 bytes, the others 18 to 21; no two fit under a cap of the longest, and with a cost in length
+    squared one long prompt balances about three short ones, so LB-Mini plans different counts per rank)."""
+    return [{"prompt": f"say {sentence(i, 8)}"[:(32 if i % 4 == 0 else 17 + i % 4)] + ":",
+             "chosen": " " + sentence(i + 1, 1 + (i * 5) % 7),
              "rejected": " " + sentence(i + 5, 1 + (i * 3) % 6)} for i in range(n)]
 
 

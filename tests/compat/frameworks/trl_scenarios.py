@@ -88,7 +88,9 @@ def config_for(scenario: str) -> dict:
         base = {**base, "zero_optimization": {**base["zero_optimization"], **common.RELEASED}}
         # no two pairs fit under the cap (see dpo_balance); the length is taken from the tokenised prompt
         cap = max(len(row["prompt"].encode()) for row in common.preference_rows())  # bytes = tokens
-        options = {"balance": {"policy": "lb-mini", "token_cap": cap, "cost_model": "tokens",
+        # an attention-like cost (length squared): with these prompts (no length twice another) a cost in
+        # tokens balances best at equal counts, a quadratic one gives the ranks different numbers of pairs
+        options = {"balance": {"policy": "lb-mini", "token_cap": cap, "cost_model": {"a": 1.0, "b": 0.0},
                                "padding": "padded", "length_key": BALANCE_LENGTH_KEY}}
     return common.ds_config(common.route(), base, options if common.route() != "3" else None)
 
