@@ -11,9 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ORDER = ["setup", "smoke", "harness", "jit-build", "kernel-sweep", "conformance", "training-parity", "nccl-one-rank",
-         "fault-matrix", "peer-atomics-distinct-gpus"]
+         "fault-matrix", "activation-offload", "peer-atomics-distinct-gpus"]
 PASSING = ["setup", "smoke", "harness", "jit-build", "conformance", "training-parity", "fault-matrix"]
-NOT_MEASURABLE_HERE = ["kernel-sweep", "nccl-one-rank", "peer-atomics-distinct-gpus"]
+NOT_MEASURABLE_HERE = ["kernel-sweep", "nccl-one-rank", "activation-offload", "peer-atomics-distinct-gpus"]
 
 
 def test_the_correctness_phase_runs_end_to_end_on_cpu_ranks(tmp_path):
