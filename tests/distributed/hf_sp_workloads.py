@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.hf_workloads import VOCAB, _gathered_state_dict, tiny_llama_config
+from tests.distributed.hf_workloads import VOCAB, _gathered_state_dict, loss_recorder, tiny_llama_config
 
 
 class VaryingDataset(torch.utils.data.Dataset):
@@ -59,7 +59,7 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
 
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from transformers import DataCollatorWithFlattening, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithFlattening, LlamaForCausalLM, Trainer, TrainingArguments
 
     from ds_odc.config import BalanceConfig
     from ds_odc.integration.hf_balance import balanced_loader
@@ -69,14 +69,6 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
         def get_train_dataloader(self):
             return balanced_loader(self, super().get_train_dataloader(),
                                    BalanceConfig(token_cap=token_cap, policy="lb-micro"))
-
-    class RecordLosses(TrainerCallback):
-        def __init__(self):
-            self.losses = {}
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses[state.global_step] = logs["loss"]
 
     _fix_gloo_all_gather_backward()
     config = trainer_ds_config(stage)
@@ -95,7 +87,7 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
     model_config = tiny_llama_config()
     model_config._attn_implementation = "sdpa"
     model = LlamaForCausalLM._from_config(model_config, attn_implementation="sdpa")
-    recorder = RecordLosses()
+    recorder = loss_recorder()
     collator = DataCollatorWithFlattening(return_position_ids=True) if packed else pad_collator
     trainer = (PlannedOnZeRO3 if token_cap and stage != "odc" else Trainer)(model=model, args=args, train_dataset=VaryingDataset(32, seed=1), callbacks=[recorder],
                       data_collator=collator)

@@ -60,13 +60,9 @@ def _gathered_state_dict(model) -> dict:
         return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str | None = None,
-                  evaluate_first: bool = True, pretrained: str | None = None) -> dict:
-    """One Trainer life: build the model (``from_pretrained(pretrained)`` or ``_from_config``), [evaluate,]
-    train (optionally resumed), evaluate, save_model. Returns what happened."""
-    import deepspeed
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
-    from transformers.integrations import is_deepspeed_zero3_enabled
+def loss_recorder():
+    """A Trainer callback keeping the logged loss of every step (``.losses``: step -> loss)."""
+    from transformers import TrainerCallback
 
     class RecordLosses(TrainerCallback):
         def __init__(self):
@@ -75,6 +71,17 @@ def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str |
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.losses[state.global_step] = logs["loss"]
+
+    return RecordLosses()
+
+
+def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str | None = None,
+                  evaluate_first: bool = True, pretrained: str | None = None) -> dict:
+    """One Trainer life: build the model (``from_pretrained(pretrained)`` or ``_from_config``), [evaluate,]
+    train (optionally resumed), evaluate, save_model. Returns what happened."""
+    import deepspeed
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     args = TrainingArguments(
         output_dir=output_dir, deepspeed=trainer_ds_config(stage), use_cpu=True, max_steps=max_steps,
@@ -92,7 +99,7 @@ def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str |
     partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
     initial = _gathered_state_dict(model)
 
-    recorder = RecordLosses()
+    recorder = loss_recorder()
     trainer = Trainer(model=model, args=args, train_dataset=CountingDataset(32, seed=1),
                       eval_dataset=CountingDataset(8, seed=2), callbacks=[recorder])
     eval_before = trainer.evaluate()["eval_loss"] if evaluate_first else None
