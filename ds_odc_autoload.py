@@ -24,11 +24,11 @@ from __future__ import annotations
 import os
 import sys
 
-from ds_odc_import_hooks import OFF_SWITCH, when_imported
+from ds_odc_import_hooks import ACCELERATE_STAGE, OFF_SWITCH, translate_accelerate_stage, when_imported
 
 ENV_VAR = OFF_SWITCH
 _OFF_VALUES = ("0", "false", "no", "off")
-ACCELERATE_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
+__all__ = ["ACCELERATE_STAGE", "ENV_VAR", "enabled", "install", "translate_accelerate_stage"]
 
 
 def enabled() -> bool:
@@ -71,15 +71,6 @@ def _guard_hf_deepspeed_config(module) -> None:
 
     set_stage_and_offload.ds_odc_guarded = original  # what ds_odc's own patch wraps instead of this guard
     cls.set_stage_and_offload = set_stage_and_offload
-
-
-def translate_accelerate_stage(environ=os.environ) -> None:
-    """``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc`` (what axolotl exports for the stage it was given; accelerate
-    calls ``int()`` on it) becomes stage 3 plus ds_odc's environment switch ``DS_ODC_STAGE3=odc``, for this
-    process and the processes it starts. Any other value is left alone."""
-    if environ.get(ACCELERATE_STAGE, "").strip().lower() == "odc":
-        environ[ACCELERATE_STAGE] = "3"
-        environ.setdefault("DS_ODC_STAGE3", "odc")
 
 
 def install() -> None:

@@ -1,17 +1,31 @@
-"""Post-import hooks: run a callback once a module has finished importing. Standard library only.
+"""What ``ds_odc_autoload`` and ds_odc share, standard library only: post-import hooks (run a callback
+once a module has finished importing), and reading ``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc``.
 
 Why a top-level module of its own: ``ds_odc_autoload`` runs at the start of every interpreter of the
 environment and must not import ds_odc (seconds), while ds_odc itself patches transformers and
-accelerate lazily, only once a program imports them. Both need this one mechanism; neither may import
-the other for it (ds_odc_autoload imports ds_odc when deepspeed is imported: a loop otherwise).
+accelerate lazily, only once a program imports them, and translates the accelerate variable again when
+it registers (autoload may be off). Both need these; neither may import the other for them
+(ds_odc_autoload imports ds_odc when deepspeed is imported: a loop otherwise).
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
 #: What turns ds_odc's import-time activation off (named in the warning a failed hook raises).
 OFF_SWITCH = "DS_ODC_AUTOLOAD"
+#: Where accelerate reads the ZeRO stage from the environment (and axolotl exports the stage it is given).
+ACCELERATE_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
+
+
+def translate_accelerate_stage(environ=os.environ) -> None:
+    """``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc`` (what axolotl exports for the stage it was given; accelerate
+    calls ``int()`` on it) becomes stage 3 plus ds_odc's environment switch ``DS_ODC_STAGE3=odc``, for this
+    process and the processes it starts. Any other value is left alone."""
+    if environ.get(ACCELERATE_STAGE, "").strip().lower() == "odc":
+        environ[ACCELERATE_STAGE] = "3"
+        environ.setdefault("DS_ODC_STAGE3", "odc")
 
 #: module name -> callbacks still waiting for that module to finish importing.
 _waiting: dict = {}

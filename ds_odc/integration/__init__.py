@@ -13,11 +13,11 @@ def register() -> None:
     DeepSpeed release: on another release, the error names what is missing, if anything is."""
     assert_surface()
     check_deepspeed_version()
-    import ds_odc_autoload
     from ds_odc.integration import hf, launcher
     from ds_odc.integration.initialize import register as _register
+    from ds_odc_import_hooks import translate_accelerate_stage
 
-    ds_odc_autoload.translate_accelerate_stage()  # also done at interpreter start, unless autoload is off
+    translate_accelerate_stage()  # also done at interpreter start by ds_odc_autoload, unless autoload is off
     _register()
     hf.register()
     launcher.register()

@@ -286,7 +286,7 @@ SURFACE: tuple[PrivateName, ...] = (
                 "ds_odc/integration/launcher.py", "read when the launcher starts the nodes", found_in="main"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
     PrivateName("accelerate.utils.dataclasses", "DeepSpeedPlugin", "ACCELERATE_DEEPSPEED_ZERO_STAGE", Kind.FILE_NAME,
-                "ds_odc_autoload.py", "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
+                "ds_odc_import_hooks.py", "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
                 found_in="__post_init__"),
     PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
                 f"{_HF}, ds_odc_autoload.py", "patched: canonicalises a config that mentions 'odc' first (any other "
@@ -376,7 +376,8 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "the class and every other Trainer exactly as transformers has them", _TRAINER),
     ProcessWide("ACCELERATE_DEEPSPEED_ZERO_STAGE=odc rewritten to 3, with DS_ODC_STAGE3=odc set",
                 "the process and its children (only when the variable says odc)", "accelerate calls int() on it; "
-                "axolotl exports there the stage it is given", "ds_odc_autoload.py"),
+                "axolotl exports there the stage it is given", "ds_odc_import_hooks.py (at interpreter start by "
+                "ds_odc_autoload.py, and when ds_odc registers)"),
     ProcessWide("deepspeed.launcher.runner.EXPORT_ENVS gains DS_ODC_", "the launcher process",
                 "the environment switch must reach the ranks of every node the launcher starts",
                 "ds_odc/integration/launcher.py"),

@@ -208,7 +208,8 @@ def test_every_name_mangled_deepspeed_name_used_under_ds_odc_is_listed():
 
 def test_every_entry_names_the_ds_odc_files_that_use_it():
     """A name a rewrite stopped using must leave the list (and a renamed file be followed)."""
-    sources = {**_sources("ds_odc"), "ds_odc_autoload.py": open(os.path.join(ROOT, "ds_odc_autoload.py")).read()}
+    sources = {**_sources("ds_odc"), **{name: open(os.path.join(ROOT, name)).read()
+                                        for name in ("ds_odc_autoload.py", "ds_odc_import_hooks.py")}}
     stale = []
     for entry in SURFACE:
         for path in entry.used_by.split(", "):
