@@ -281,6 +281,13 @@ def train_gathered_mean(stage, gas: int = 2, steps: int = 3) -> dict:
     return result
 
 
+def per_token_backward(engine, step: int, group: int, index: int, sp_rank: int) -> None:
+    """One micro-batch of SP group ``group``: this rank's slice, its token-sum loss, its token count."""
+    ids, labels = sequence(step, group, index)
+    loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
+    engine.backward(loss, loss_tokens=tokens)
+
+
 def mismatch_in_group(extra_rank: int, timeout_s: float = 30.0) -> str:
     """Every rank runs 2 micro-batches except ``extra_rank``, which runs 3: its SP partner goes to the step
     while it starts one more. Returns the error each rank raised."""
@@ -290,9 +297,7 @@ def mismatch_in_group(extra_rank: int, timeout_s: float = 30.0) -> str:
     rank, sp_rank = dist.get_rank(), mpu.get_sequence_parallel_rank()
     try:
         for index in range(3 if rank == extra_rank else 2):
-            ids, labels = sequence(0, rank // SP, index)
-            loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
-            engine.backward(loss, loss_tokens=tokens)
+            per_token_backward(engine, 0, rank // SP, index, sp_rank)
         engine.step()
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
@@ -320,9 +325,7 @@ def killed_in_group(victim: int, inside: bool, timeout_s: float = 30.0) -> str:
                     doomed["now"] = True
                     if not inside:
                         os.kill(os.getpid(), signal.SIGKILL)
-                ids, labels = sequence(step, rank // SP, index)
-                loss, tokens = token_sum_loss(engine, ids, labels, sp_rank)
-                engine.backward(loss, loss_tokens=tokens)
+                per_token_backward(engine, step, rank // SP, index, sp_rank)
             engine.step()
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
