@@ -48,6 +48,14 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def no_room(shm_dir: str, who: str, kind: str, nbytes: int) -> ODCConfigError:
+    """The error for a segment ``shm_dir`` has no room for: the directory, the bytes, what is free, the fix."""
+    return ODCConfigError(
+        f"{SHM_FIELD}={shm_dir!r}: no room for {who}'s {kind} segment ({format_bytes(nbytes)}; "
+        f"{format_bytes(free_bytes(shm_dir))} free now). Give the job a larger shared-memory filesystem "
+        f"(docker run --shm-size=...) or point {SHM_FIELD} at a tmpfs with room.")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """What one rank tells the others before anything is created."""
@@ -175,11 +183,7 @@ class NodeAllocation:
             try:
                 create_reserved(path, nbytes)
             except SegmentSpaceError as err:
-                raise ODCConfigError(
-                    f"{SHM_FIELD}={self.shm_dir!r}: no room for {self.name(self.rank)}'s {kind} segment "
-                    f"({format_bytes(err.nbytes)}; {format_bytes(free_bytes(self.shm_dir))} free now). Give the job "
-                    f"a larger shared-memory filesystem (docker run --shm-size=...) or point {SHM_FIELD} at a tmpfs "
-                    "with room.") from None
+                raise no_room(self.shm_dir, self.name(self.rank), kind, err.nbytes) from None
             if kind == "ctrl":
                 block = self.map_control(self.rank)
                 block.init(os.getpid())

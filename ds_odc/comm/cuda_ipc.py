@@ -26,12 +26,18 @@ shared memory, and dead, failed or stuck peers are detected there exactly as on 
   fence round every push of every rank has completed, so each owner's accumulator holds the sum.
 
 Memory per rank: its two windows; peers' windows are mappings, not copies; no staging at all.
+
+Windows away and back (``engine.offload_states``, :class:`~ds_odc.comm.transport.Transport`): a rank frees
+its own window only after a round in which every peer closed its mapping of it (freeing exported memory that
+another process maps is undefined in CUDA), so the memory returns to the device for a rollout engine; windows
+made again are new ``cudaMalloc`` allocations whose handles replace the old ones in the control block's blob,
+opened by every peer after the next round.
 """
 from __future__ import annotations
 
 import os
 import socket
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -80,7 +86,9 @@ class CudaIpcTransport(Transport):
         self._grad_windows: list = []
         self._blocks: list = []
         self._locks: list = []
-        self._own: tuple = ()
+        self._own: dict = {}  # kind -> this rank's own allocation ("params", "grads")
+        self._handles: dict = {}  # kind -> its IPC handle, as the blob carries it
+        self._spec = None
         self._exported = False  # our IPC handles are in our control block: peers may have mapped our windows
         self._pull_stream = None
         self._closed = False
@@ -120,24 +128,30 @@ class CudaIpcTransport(Transport):
                 f"{self.device}: cannot allocate rank {self.rank}'s GPU windows ({format_bytes(param_bytes)} "
                 f"parameters + {format_bytes(grad_bytes)} gradient accumulator; {format_bytes(free)} of "
                 f"{format_bytes(total)} free): {err}. Free GPU memory, use more GPUs, or a smaller model") from None
-        self._own = (own_params, own_grads)
+        self._own = {"params": own_params, "grads": own_grads}
+        self._handles = {"params": bytes(params_handle), "grads": bytes(grads_handle)}
         self._exported = True
-        block.write_blob(bytes(params_handle) + bytes(grads_handle))
+        self._spec = spec
+        block.write_blob(self._handles["params"] + self._handles["grads"])
 
     def _map_every_rank(self, allocation: NodeAllocation, spec: WindowSpec) -> None:
         allocation.open_peer_locks(self.timeout_s)
         self._locks = allocation.peer_locks
         self._blocks = [allocation.map_control(r) for r in range(self.world_size)]
-        param_bytes, grad_bytes = _nbytes(spec)
-        for peer, block in enumerate(self._blocks):
-            if peer == self.rank:
-                params, grads = self._own
-            else:
-                handles = block.read_blob()
-                params = self._ops.open_window(handles[:HANDLE_BYTES], param_bytes, self.device.index)
-                grads = self._ops.open_window(handles[HANDLE_BYTES:], grad_bytes, self.device.index)
-            self._param_windows.append(params.view(spec.param_dtype))
-            self._grad_windows.append(grads.view(spec.grad_dtype))
+        for peer in range(self.world_size):
+            self._param_windows.append(self._window(peer, "params"))
+            self._grad_windows.append(self._window(peer, "grads"))
+
+    def _window(self, peer: int, kind: str) -> torch.Tensor:
+        """Our own window of ``kind``, or our mapping of ``peer``'s, from the handle in its blob."""
+        spec = self._spec
+        dtype = spec.param_dtype if kind == "params" else spec.grad_dtype
+        if peer == self.rank:
+            return self._own[kind].view(dtype)
+        handles = self._blocks[peer].read_blob()
+        start = 0 if kind == "params" else HANDLE_BYTES
+        nbytes = _nbytes(spec)[0 if kind == "params" else 1]
+        return self._ops.open_window(handles[start:start + HANDLE_BYTES], nbytes, self.device.index).view(dtype)
 
     def _release_after_failure(self) -> None:
         """The allocation failed: drop our mappings of peers; our own windows may be mapped by a live
@@ -147,7 +161,7 @@ class CudaIpcTransport(Transport):
         self._blocks.clear()
         if self._own and self._exported:
             _KEPT_FOR_PEERS.append(self._own)
-        self._own = ()
+        self._own = {}
         self._closed = True
 
     # -- one-sided access ------------------------------------------------------------------------
@@ -220,6 +234,55 @@ class CudaIpcTransport(Transport):
         torch.cuda.synchronize(self.device)  # this rank's pushes, pulls and window writes have completed
         return super().exchange(kind, step, values, what)
 
+    # -- windows away and back (see Transport) --------------------------------------------------------
+    def _windows(self, kind: str) -> list:
+        return {"params": self._param_windows, "grads": self._grad_windows}[kind]
+
+    def drop_peer_windows(self, kinds: Collection[str]) -> None:
+        torch.cuda.synchronize(self.device)  # no copy from, nor push into, a peer's window is still running
+        for kind in kinds:
+            windows = self._windows(kind)
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    windows[peer] = None  # closes the IPC mapping (cudaIpcCloseMemHandle)
+
+    def drop_own_windows(self, kinds: Collection[str]) -> None:
+        torch.cuda.synchronize(self.device)  # our copies out of them have completed
+        for kind in kinds:
+            self._windows(kind)[self.rank] = None
+            self._own.pop(kind, None)  # cudaFree once the caller's views are gone too
+
+    def recreate_own_windows(self, kinds: Collection[str]) -> None:
+        made = {}
+        try:
+            for kind in kinds:
+                nbytes = _nbytes(self._spec)[0 if kind == "params" else 1]
+                try:
+                    made[kind], handle = self._ops.alloc_window(nbytes, self.device.index)
+                except RuntimeError as err:
+                    free, total = torch.cuda.mem_get_info(self.device)
+                    raise ODCConfigError(
+                        f"{self.device}: cannot allocate rank {self.job_rank}'s {kind} window again "
+                        f"({format_bytes(nbytes)}; {format_bytes(free)} of {format_bytes(total)} free): {err}. "
+                        "Release the memory another engine holds (a rollout engine's sleep mode, "
+                        "torch.cuda.empty_cache()) and call engine.reload_states() again") from None
+                self._handles[kind] = bytes(handle)
+        except BaseException:
+            made.clear()  # never exported: freed at once
+            raise
+        self._own.update(made)
+        for kind in kinds:
+            self._windows(kind)[self.rank] = self._own[kind].view(
+                self._spec.param_dtype if kind == "params" else self._spec.grad_dtype)
+        self._blocks[self.rank].write_blob(self._handles["params"] + self._handles["grads"])
+
+    def map_peer_windows(self, kinds: Collection[str]) -> None:
+        for kind in kinds:
+            windows = self._windows(kind)
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    windows[peer] = self._window(peer, kind)
+
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
@@ -234,7 +297,7 @@ class CudaIpcTransport(Transport):
         self._grad_windows.clear()
         if self._own and not self._peers_unmapped():
             _KEPT_FOR_PEERS.append(self._own)
-        self._own = ()
+        self._own = {}
         self._close_plane()
         self._blocks.clear()
         for lock in self._locks:

@@ -76,9 +76,15 @@ def create_reserved(path: str, nbytes: int) -> None:
 
 
 def map_segment(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Map ``numel`` elements of ``dtype`` from ``path``; writes are visible to every mapper."""
+    """Map ``numel`` elements of ``dtype`` from ``path``; writes are visible to every mapper. The file
+    must exist with room for them (``torch.from_file`` would create a missing file and map zeros: a peer's
+    window that is not there must be an error, never a window of zeros)."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    size = os.stat(path).st_size  # FileNotFoundError for a missing segment
+    if size < nbytes:
+        raise ValueError(f"segment {path} holds {size} bytes, {nbytes} expected")
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 

@@ -10,19 +10,25 @@ block and a lock file (liveness, accumulator stripes), all created, reserved and
   lock and unlock are system calls, so the adds are ordered before the pusher's next fence round;
 * batched (``read_many`` / ``accumulate_many``): the same copies and adds, done in one loop when
   called, with each accumulator stripe locked once per batch for every piece that falls into it;
-* step  = typed rounds over the control blocks (:mod:`ds_odc.comm.rendezvous`).
+* step  = typed rounds over the control blocks (:mod:`ds_odc.comm.rendezvous`);
+* windows away and back (``engine.offload_states``): dropping the mappings frees the pages (the files
+  were unlinked at allocation); windows made again are new files of a new generation of the session,
+  under a lock file of their own (so a sweep never takes them for a dead rank's), reserved, mapped by
+  every peer after a round and unlinked after the next one.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Sequence
+from typing import Collection, List, Optional, Sequence
 
 import torch
 
-from ds_odc.comm.allocation import NodeAllocation
+from ds_odc.comm.allocation import NodeAllocation, no_room
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
-from ds_odc.comm.segments import map_segment
+from ds_odc.comm.locks import LockFile
+from ds_odc.comm.segments import (CleanupOnSignal, SegmentSpaceError, create_reserved, map_segment, segment_path,
+                                  unlink_quietly)
 from ds_odc.comm.transport import Transport, WindowSpec
 from ds_odc.comm.wording import NUMBERS, Wording
 
@@ -41,6 +47,12 @@ class ShmTransport(Transport):
         self._locks: list = []
         self._blocks: list = []
         self._closed = False
+        self._spec: Optional[WindowSpec] = None
+        self._session = ""
+        self._generation = 0  # windows made again so far (engine.reload_states)
+        self._new_files: List[str] = []  # this rank's files of the newest generation, until every peer mapped them
+        self._new_lock: Optional[LockFile] = None
+        self._new_guard: Optional[CleanupOnSignal] = None
 
     # -- allocation (collective, once) ---------------------------------------------------------
     def allocate(self, spec: WindowSpec) -> None:
@@ -53,6 +65,7 @@ class ShmTransport(Transport):
                             creating="creating its shared-memory windows", mapping="mapping its peers' windows")
         self._start_plane(self._blocks, lambda r: self._locks[r].owner_alive(),
                           lambda r: f"{allocation.name(r)} (pid {allocation.infos[r].pid})", spec.exchange_width)
+        self._spec, self._session = spec, allocation.session
 
     def _forget_windows(self) -> None:
         self._param_windows.clear()
@@ -138,11 +151,82 @@ class ShmTransport(Transport):
             done += count
         return pieces
 
+    # -- windows away and back (see Transport) --------------------------------------------------------
+    def _windows(self, kind: str) -> list:
+        return {"params": self._param_windows, "grads": self._grad_windows}[kind]
+
+    def _sizes(self, kind: str) -> tuple:
+        spec = self._spec
+        return (spec.param_numel, spec.param_dtype) if kind == "params" else (spec.grad_numel, spec.grad_dtype)
+
+    def _path(self, rank: int, kind: str) -> str:
+        """A file of the newest generation: the session's name with the generation appended (still hex)."""
+        return segment_path(self.shm_dir, f"{self._session}{self._generation:04x}", rank, kind)
+
+    def drop_peer_windows(self, kinds: Collection[str]) -> None:
+        for kind in kinds:
+            windows = self._windows(kind)
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    windows[peer] = None
+
+    def drop_own_windows(self, kinds: Collection[str]) -> None:
+        for kind in kinds:
+            self._windows(kind)[self.rank] = None
+        self._remove_new_files()
+
+    def recreate_own_windows(self, kinds: Collection[str]) -> None:
+        self._generation += 1
+        self._new_guard = CleanupOnSignal().__enter__()
+        try:
+            self._new_lock = LockFile.create(self._path(self.rank, "lock"), self.rank, self.timeout_s)
+            self._track(self._path(self.rank, "lock"))
+            for kind in kinds:
+                numel, dtype = self._sizes(kind)
+                path = self._path(self.rank, kind)
+                self._track(path)
+                try:
+                    create_reserved(path, numel * _itemsize(dtype))
+                except SegmentSpaceError as err:
+                    raise no_room(self.shm_dir, f"rank {self.job_rank}", kind, err.nbytes) from None
+                self._windows(kind)[self.rank] = map_segment(path, numel, dtype)
+        except BaseException:
+            self.drop_own_windows(kinds)
+            raise
+
+    def _track(self, path: str) -> None:
+        self._new_files.append(path)
+        self._new_guard.track([path])
+
+    def map_peer_windows(self, kinds: Collection[str]) -> None:
+        for kind in kinds:
+            numel, dtype = self._sizes(kind)
+            windows = self._windows(kind)
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    windows[peer] = map_segment(self._path(peer, kind), numel, dtype)
+
+    def windows_mapped(self, kinds: Collection[str]) -> None:
+        self._remove_new_files()
+
+    def _remove_new_files(self) -> None:
+        """This rank's files of the newest generation, segments first and the lock file last."""
+        for path in sorted(self._new_files, key=lambda p: p.endswith("_lock")):
+            unlink_quietly(path)
+        self._new_files.clear()
+        if self._new_lock is not None:
+            self._new_lock.close()
+            self._new_lock = None
+        if self._new_guard is not None:
+            self._new_guard.__exit__(None, None, None)
+            self._new_guard = None
+
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._remove_new_files()
         self._close_plane()
         self._param_windows.clear()
         self._grad_windows.clear()

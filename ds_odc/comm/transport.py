@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -107,6 +107,36 @@ class Transport(abc.ABC):
         locks are released by the kernel), and one that is merely stopped makes peers' pushes time out
         naming the owner. Transports whose pushes hold nothing (atomic adds) keep this default."""
         return contextlib.nullcontext()
+
+    # -- windows away and back (engine.offload_states / reload_states) -----------------------------------
+    # The runtime's rounds order these calls on every rank of the node (see ds_odc.runtime.residency):
+    #   away:  [round: nobody reads or adds any more]  drop_peer_windows  [round]  drop_own_windows
+    #   back:  recreate_own_windows  [round: every new window exists and holds its content]  map_peer_windows
+    #          [round: every rank mapped them]  windows_mapped
+    # ``kinds`` names windows: "params" (the parameter window) and/or "grads" (the accumulator). A transport
+    # that cannot move its windows keeps these defaults, and the engine refuses offload_states by name.
+    def drop_peer_windows(self, kinds: Collection[str]) -> None:
+        """Forget this rank's mappings of every peer's windows of ``kinds``."""
+        raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")
+
+    def drop_own_windows(self, kinds: Collection[str]) -> None:
+        """Release this rank's own windows of ``kinds`` (no peer maps them any more); the memory returns
+        to the device (or the shm directory) once the caller's views of them are gone. Also discards
+        windows :meth:`recreate_own_windows` made that peers have not mapped yet."""
+        raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")
+
+    def recreate_own_windows(self, kinds: Collection[str]) -> None:
+        """New zeroed windows of ``kinds``, of the sizes :meth:`allocate` made, published for peers to map
+        after the next round. Capacity is checked here (an error naming the device or directory, the
+        bytes and the fix); on any failure nothing new is left."""
+        raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")
+
+    def map_peer_windows(self, kinds: Collection[str]) -> None:
+        """Map every peer's windows of ``kinds`` that :meth:`recreate_own_windows` published."""
+        raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")
+
+    def windows_mapped(self, kinds: Collection[str]) -> None:
+        """Every rank mapped the new windows: drop whatever let peers find them (shm: the files)."""
 
     @abc.abstractmethod
     def close(self) -> None:

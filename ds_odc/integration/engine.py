@@ -36,6 +36,7 @@ import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (import
 import torch
 import deepspeed.runtime.zero.stage3 as ds_stage3
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
@@ -194,6 +195,38 @@ class ODCEngine(DeepSpeedEngine):
     def _odc_collectives(self, where: str):
         lockstep = self._odc_lockstep()
         return lockstep.collectives(where) if lockstep is not None else contextlib.nullcontext()
+
+    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False):
+        """DeepSpeed's (the optimizer moves the windows with every rank, see ``ODCStage3Optimizer``). A frozen
+        engine, whose states ZeRO-3 refuses to move, moves the one it has: its parameter window (``lp_params``),
+        with every rank (collective); the engine refuses to pull until :meth:`reload_states`."""
+        frozen = self._odc.frozen if self._odc is not None else None
+        if frozen is None:
+            return super().offload_states(include=include, device=device, pin_memory=pin_memory,
+                                          non_blocking=non_blocking)
+        others = [] if include is None else [s for s in include if s != OffloadStateTypeEnum.lp_params]
+        if others:
+            raise ODCConfigError(f"offload_states(include={[s.value for s in include]}): an engine without an "
+                                 "optimizer has only its parameters (lp_params) to move")
+        if self.zero_offload_param() is not None and self.zero_offload_param().device != OffloadDeviceEnum.none:
+            raise ODCConfigError("offload_states: the parameters of this engine are offloaded already "
+                                 "(zero_optimization.offload_param)")
+        if device == OffloadDeviceEnum.none:
+            logger.warning("No device specified for offloading states.")  # DeepSpeed's answer
+            return None
+        if device != OffloadDeviceEnum.cpu:
+            raise ODCConfigError(f"offload_states(device={device}): only OffloadDeviceEnum.cpu is supported")
+        if include is None or OffloadStateTypeEnum.lp_params in include:
+            self.empty_partition_cache()
+            frozen.offload(pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False):
+        """DeepSpeed's; a frozen engine brings its parameter window back (collective)."""
+        frozen = self._odc.frozen if self._odc is not None else None
+        if frozen is None:
+            return super().reload_states(non_blocking=non_blocking)
+        frozen.reload(non_blocking)
+        return True
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's, with a crash-safe ``latest`` (:mod:`ds_odc.integration.checkpoints`)."""

@@ -30,20 +30,25 @@ class FrozenSession:
     """The ODC session of one frozen engine: its runtime, and the ZeRO-3 object whose gathers it serves."""
 
     runtime: ODCRuntime
-    offload: object  # DeepSpeed's DeepSpeedZeRoOffload
+    zero3: object  # DeepSpeed's DeepSpeedZeRoOffload, whose gathers this session serves
 
-    def republish(self, what: str) -> None:
-        """Every owner rewrote its shards (a checkpoint load): meet, so no rank pulls a half-written one."""
-        self.runtime.windows_rewritten(what)
+    def offload(self, pin_memory: bool, non_blocking: bool) -> None:
+        """``engine.offload_states()``: the parameter window to host memory, with every rank (collective);
+        the shards point at the host copy until :meth:`reload`."""
+        self.runtime.offload_windows({"params"}, pin_memory, non_blocking)
+        windows.bind_shards(windows.partitioned_params(self.zero3), self.runtime)
+
+    def reload(self, non_blocking: bool) -> None:
+        """``engine.reload_states()``: the window back on the device, mapped by every rank (collective)."""
+        if self.runtime.reload_windows(non_blocking):
+            windows.bind_shards(windows.partitioned_params(self.zero3), self.runtime)
 
     def release(self) -> None:
         """Gathers back to ZeRO-3's collectives, shards copied out of the window, the session closed."""
-        params = windows.partitioned_params(self.offload)
+        params = windows.partitioned_params(self.zero3)
         uninstall_pulls(params)
-        restore_trace_checks(self.offload.get_param_coordinator())
-        for param in params:
-            if param.ds_tensor is not None:
-                param.ds_tensor.data = param.ds_tensor.data.clone()
+        restore_trace_checks(self.zero3.get_param_coordinator())
+        windows.move_shards_out(params)
         self.runtime.close()
 
 
@@ -63,14 +68,10 @@ def attach(offload, options: ODCConfig, timeout_s: float) -> FrozenSession:
                        stripe_numel=options.accumulator_stripe_numel)
     runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(offload, runtime))
     try:
-        for param in params:
-            view = runtime.own_shard(param.ds_id)
-            view.copy_(param.ds_tensor.data.reshape(-1))
-            param.ds_tensor.data = view
+        windows.move_shards_in(params, runtime)
         runtime.open()  # now, while every rank is in initialize: no forward ever meets another rank
     except BaseException:
-        for param in params:
-            param.ds_tensor.data = param.ds_tensor.data.clone()
+        windows.move_shards_out(params)
         runtime.close()
         raise
     install_pulls(runtime, params)

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.utils import get_norm_dtype
@@ -39,6 +40,9 @@ from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepTotals, StepUpdate, open_session
+
+#: ZeRO-3's offloadable states that are ODC windows, and which window each is.
+WINDOW_STATES = {OffloadStateTypeEnum.lp_params: "params", OffloadStateTypeEnum.lp_grads: "grads"}
 
 
 @dataclass
@@ -285,6 +289,32 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         released = [p for p in self.persistent_parameters if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if released:
             released[0].all_gather(param_list=released)
+
+    # -- offload_states / reload_states: two of ZeRO-3's states are ODC windows --------------------------
+    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False):
+        """ZeRO-3's for the states that are this rank's own (fp32 master weights, optimizer states, the
+        gradient bucket); the two that are windows peers reach, ``lp_params`` (the parameter window) and
+        ``lp_grads`` (the accumulator), move with every rank (collective, :mod:`ds_odc.runtime.residency`)
+        and ZeRO-3's buffers point at their host copies. ZeRO-3's own checks run before anything moves."""
+        wanted = list(OffloadStateTypeEnum) if include is None else list(include)
+        own = [state for state in wanted if state not in WINDOW_STATES]
+        super().offload_states(include=own, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+        moved = self.odc.offload_windows({WINDOW_STATES[s] for s in wanted if s in WINDOW_STATES}, pin_memory,
+                                         non_blocking)
+        self._odc_bind_windows(moved)
+
+    def reload_states(self, non_blocking: bool = False):
+        """ZeRO-3's for this rank's own states, then the windows back on the device, every rank's mapped
+        (collective; a rank that cannot allocate them makes every rank raise, with the windows still away)."""
+        super().reload_states(non_blocking=non_blocking)
+        self._odc_bind_windows(self.odc.reload_windows(non_blocking))
+
+    def _odc_bind_windows(self, kinds) -> None:
+        """ZeRO-3's buffers pointed at the windows of ``kinds`` where the runtime has them now."""
+        if "params" in kinds:
+            windows.bind_param_window(self, self.odc)
+        if "grads" in kinds:
+            windows.adopt_accumulator(self, self.odc)
 
     # -- checkpoints and teardown ------------------------------------------------------------------
     def odc_republish(self) -> None:

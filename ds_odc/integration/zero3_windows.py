@@ -58,20 +58,45 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
 
 def adopt_param_window(optimizer, runtime: ODCRuntime) -> None:
     """The flat shard buffer(s) and every frozen shard move into this rank's parameter window."""
-    trainable = runtime.own_trainable_shards()
     if optimizer.offload_param:
-        _adopt_offloaded(optimizer, trainable)
+        _adopt_offloaded(optimizer, runtime.own_trainable_shards())
     else:
-        trainable.copy_(optimizer.lp_param_buffer)
-        optimizer.lp_param_buffer = trainable
-        optimizer.fp16_partitioned_groups_flat = []
-        optimizer._set_fp16_partitioned_groups_flat()
-        for sub_group_id in range(len(optimizer.fp16_groups)):
-            optimizer._unflatten_partitioned_parameters(sub_group_id)
-    for param in frozen_params(optimizer):
-        view = runtime.own_shard(param.ds_id)
-        view.copy_(param.ds_tensor.data.reshape(-1))
-        param.ds_tensor.data = view
+        runtime.own_trainable_shards().copy_(optimizer.lp_param_buffer)
+    move_shards_in(frozen_params(optimizer), runtime)
+    if not optimizer.offload_param:
+        bind_param_window(optimizer, runtime)
+
+
+def bind_param_window(optimizer, runtime: ODCRuntime) -> None:
+    """Point ZeRO-3's flat shard buffer, its sub-group views and every shard (``ds_tensor``, frozen ones
+    too) at this rank's parameter window as the runtime has it now: on the transport, or its host copy
+    while it is away (``engine.offload_states``). No copy: the content is already there."""
+    optimizer.lp_param_buffer = runtime.own_trainable_shards()
+    optimizer.fp16_partitioned_groups_flat = []
+    optimizer._set_fp16_partitioned_groups_flat()
+    for sub_group_id in range(len(optimizer.fp16_groups)):
+        optimizer._unflatten_partitioned_parameters(sub_group_id)
+    bind_shards(frozen_params(optimizer), runtime)
+
+
+def move_shards_in(params, runtime: ODCRuntime) -> None:
+    """Copy each parameter's shard (``ds_tensor``) into its place in this rank's window, and point it there."""
+    for param in params:
+        runtime.own_shard(param.ds_id).copy_(param.ds_tensor.data.reshape(-1))
+    bind_shards(params, runtime)
+
+
+def bind_shards(params, runtime: ODCRuntime) -> None:
+    """Point each parameter's shard (``ds_tensor``) at its place in this rank's window (no copy)."""
+    for param in params:
+        param.ds_tensor.data = runtime.own_shard(param.ds_id).view(param.ds_tensor.shape)
+
+
+def move_shards_out(params) -> None:
+    """Each parameter's shard copied out of the window into private memory (the window may then go)."""
+    for param in params:
+        if param.ds_tensor is not None:
+            param.ds_tensor.data = param.ds_tensor.data.clone()
 
 
 def _adopt_offloaded(optimizer, trainable) -> None:
@@ -93,12 +118,16 @@ def _adopt_offloaded(optimizer, trainable) -> None:
 
 
 def adopt_accumulator(optimizer, runtime: ODCRuntime) -> None:
-    """This rank's block of the fp32 accumulator stands in for ZeRO-3's gradient partition buffer."""
+    """This rank's block of the fp32 accumulator stands in for ZeRO-3's gradient partition buffer (the
+    accumulator as the runtime has it now: on the transport, or its host copy while it is away), and
+    ZeRO-3's per-parameter views and the ``averaged_gradients`` its backward set point into it."""
     optimizer.grad_partitions_flat_buffer = runtime.own_gradients()
     views = getattr(optimizer, GRAD_PARTITIONS)
     for key, slot in runtime.layout.slots.items():
         if slot.grad_offset is not None:
             views[key] = runtime.own_gradient(key)
+    for sub_group_id in list(optimizer.averaged_gradients):
+        optimizer.averaged_gradients[sub_group_id] = accumulator_views(optimizer, optimizer.fp16_groups[sub_group_id])
 
 
 def accumulator_views(optimizer, sub_group) -> list:
@@ -129,9 +158,7 @@ def release_windows(optimizer) -> None:
     """Shards copied out of the windows into private memory, ZeRO-3's buffers dropped: the model stays
     usable after the engine (DeepSpeed keeps a destroyed engine's module reachable, and whatever still
     viewed a window would keep its shared pages, counted against shm_dir, for the life of the process)."""
-    for param in partitioned_params(optimizer):
-        if param.ds_tensor is not None:
-            param.ds_tensor.data = param.ds_tensor.data.clone()
+    move_shards_out(partitioned_params(optimizer))
     optimizer.lp_param_buffer = None
     optimizer.param_groups_fp16_flat_cpu_memory = []
     optimizer.fp16_partitioned_groups_flat = []

@@ -85,25 +85,27 @@ class ODCRuntime:
         return handle
 
     # -- this rank's own shards (its node's block) ---------------------------------------------------
+    # Views of this rank's own windows: of the transport's, or of their host copies while they are away
+    # (offload_windows): ZeRO-3's buffers are pointed at these either way.
     def own_shard(self, key: int) -> torch.Tensor:
         """This rank's shard of parameter ``key`` in its window (what its optimizer updates)."""
         slot = self.layout.slots[key]
-        return self.transport.local_param_window().narrow(0, self.layout.param_offset(slot, self.node),
-                                                          slot.shard_numel)
+        return self.protocol.stash.window("params").narrow(0, self.layout.param_offset(slot, self.node),
+                                                           slot.shard_numel)
 
     def own_gradient(self, key: int) -> torch.Tensor:
         """This rank's gradient shard of trainable parameter ``key`` in its accumulator."""
         slot = self.layout.slots[key]
-        return self.transport.local_grad_accumulator().narrow(0, self.layout.grad_offset(slot, self.node),
-                                                              slot.shard_numel)
+        return self.protocol.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.node),
+                                                          slot.shard_numel)
 
     def own_trainable_shards(self) -> torch.Tensor:
         """This rank's trainable shards, contiguous in its window (ZeRO-3's flat shard buffer lives here)."""
-        return self.transport.local_param_window().narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.stash.window("params").narrow(0, *self.layout.trainable_block(self.node))
 
     def own_gradients(self) -> torch.Tensor:
         """This rank's gradient shards, contiguous in its accumulator (ZeRO-3's gradient partition)."""
-        return self.transport.local_grad_accumulator().narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.stash.window("grads").narrow(0, *self.layout.trainable_block(self.node))
 
     def _param_pieces(self, key: int):
         """``(rank on this node, window offset, start, count)`` of every owner's shard of ``key``: the
@@ -152,6 +154,21 @@ class ODCRuntime:
         """Every rank rewrote its own shards outside a step (a checkpoint load, GatheredParameters):
         meet, so that no rank pulls before every owner has finished writing."""
         self.protocol.meet(RoundKind.WINDOWS_REWRITTEN, what)
+
+    def offload_windows(self, kinds, pin_memory: bool = True, non_blocking: bool = False,
+                        what: str = "engine.offload_states()") -> frozenset:
+        """Move this rank's windows of ``kinds`` ("params", "grads") to host memory, with every rank
+        (collective; :mod:`ds_odc.runtime.residency`). Returns the kinds moved now."""
+        return self.protocol.offload_windows(frozenset(kinds), pin_memory, non_blocking, what)
+
+    def reload_windows(self, non_blocking: bool = False, what: str = "engine.reload_states()") -> frozenset:
+        """Bring every window that is away back, with every rank (collective). Returns the kinds brought back."""
+        return self.protocol.reload_windows(non_blocking, what)
+
+    @property
+    def windows_away(self) -> frozenset:
+        """The kinds of this rank's windows now in host memory (``engine.offload_states``)."""
+        return self.protocol.stash.away
 
     def sync_gradients(self, what: str) -> None:
         """A gradient fence outside a step (collective): every rank's pushes so far have landed."""

@@ -42,7 +42,11 @@ Rounds outside a step, each one collective (every rank calls it at the same poin
   step drops the gradients of the micro-batches so far on every rank (ZeRO-3's next backward
   overwrites its partitions): a fence, every owner zeroes its accumulator and the counts, and a
   second round so that no rank pushes before every owner has zeroed;
-* windows rewritten (checkpoint load, ``GatheredParameters``) and barriers (checkpoint save).
+* windows rewritten (checkpoint load, ``GatheredParameters``) and barriers (checkpoint save);
+* **windows away / back** (:meth:`StepProtocol.offload_windows`, :meth:`StepProtocol.reload_windows`):
+  ``engine.offload_states()`` / ``reload_states()`` move the parameter window and the accumulator to host
+  memory and back (:mod:`ds_odc.runtime.residency`). While one is away the phase is unchanged, and what
+  needs it (a pull, a push, the step, a round that reads it) refuses and fails the group, naming the call.
 
 All or nothing: any exception or signal on this rank inside the step, a push, or a round outside
 a step records a failure in the group's control plane (:meth:`Transport.mark_failed`) and moves to
@@ -68,7 +72,13 @@ from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
+from ds_odc.runtime.residency import WindowStash, describe, disagreement, mask
 from ds_odc.runtime.vocabulary import Activity, RoundKind
+
+_EMPTY = torch.zeros(0, dtype=torch.float64)
+#: The rounds outside a step that read or write a window, and which one.
+_ROUND_NEEDS = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
+                RoundKind.GRADIENT_NORM: {"grads"}}
 
 
 class Phase(enum.Enum):
@@ -194,6 +204,7 @@ class StepProtocol:
         self.last_totals: Optional[StepTotals] = None
         self.failure: Optional[FailureRecord] = None
         self._activity: Optional[Activity] = None
+        self.stash = WindowStash(transport)  # where this rank's windows are (away after offload_windows)
         crash.watch(self)
 
     @property
@@ -204,12 +215,14 @@ class StepProtocol:
     def before_pull(self) -> None:
         self._usable()
         self._open()
+        self._require({"params"}, "a parameter pull (a forward)")
         self.machine.advance(Event.PULL)
         self._note(Activity.MICRO_BATCHES)
 
     def before_push(self) -> None:
         self._usable()
         self._open()
+        self._require({"grads"}, "a gradient push (a backward)")
         self.machine.advance(Event.PUSH)
         self._discarded = None  # a micro-batch after the discard: the step cannot restore it
         self._note(Activity.MICRO_BATCHES)
@@ -224,6 +237,7 @@ class StepProtocol:
         """One optimizer step of this rank; returns the fence's global counts."""
         self._usable()
         self._open()
+        self._require({"params", "grads"}, "the optimizer step")
         self.machine.advance(Event.BEGIN_STEP)
         with self.failing_group():
             rows = self.link.job_rows(self.round(RoundKind.FENCE, self.ledger.fence_vector()))
@@ -258,6 +272,7 @@ class StepProtocol:
         every rank contributes (``values``); returns the node's rows."""
         self._usable()
         self._open()
+        self._require(_ROUND_NEEDS.get(kind, set()), what or kind.text)
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
@@ -292,6 +307,7 @@ class StepProtocol:
         since (the only case where that copy is used; it costs one accumulator while it is kept)."""
         self._usable()
         self._open()
+        self._require({"grads"}, what)
         self.machine.advance(Event.DISCARD)
         previous = self._activity or Activity.IDLE
         empty = torch.zeros(0, dtype=torch.float64)
@@ -303,6 +319,81 @@ class StepProtocol:
             self.ledger.reset()
             self.round(RoundKind.DISCARD, empty, what)
         self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)
+
+    def offload_windows(self, kinds: frozenset, pin_memory: bool, non_blocking: bool, what: str) -> frozenset:
+        """Move this rank's windows of ``kinds`` to host memory, with every rank of the job (collective;
+        the rounds are in :mod:`ds_odc.runtime.residency`). Windows already away are left as they are;
+        returns the kinds moved now. Ranks that ask for different windows fail the group, naming them."""
+        self._usable()
+        self._open()
+        self.machine.advance(Event.MEET)
+        previous = self._activity or Activity.IDLE
+        with self.failing_group(what):
+            kinds = frozenset(kinds) - self.stash.away
+            self._agree(RoundKind.WINDOWS_AWAY, ("asked to move", "had away"), [kinds, self.stash.away], what)
+            self.stash.take(kinds, pin_memory, non_blocking)
+            self.transport.drop_peer_windows(kinds)
+            self.round(RoundKind.WINDOWS_AWAY, _EMPTY, what)  # nobody maps a window about to be freed
+            self.transport.drop_own_windows(kinds)
+        self._note(previous, force=True)
+        return kinds
+
+    def reload_windows(self, non_blocking: bool, what: str) -> frozenset:
+        """Bring every window that is away back, with every rank of the job (collective): new windows,
+        their content copied in from the host, every peer's mapped. Returns the kinds brought back.
+
+        A rank that cannot allocate (a device or ``shm_dir`` still full) makes every rank raise, naming
+        it, with the windows still away and the group intact: free the memory and call it again."""
+        self._usable()
+        self._open()
+        self.machine.advance(Event.MEET)
+        previous = self._activity or Activity.IDLE
+        kinds, refused = self.stash.away, None
+        with self.failing_group(what):
+            self._agree(RoundKind.WINDOWS_BACK, ("had away",), [kinds], what)
+            if kinds:
+                made = None
+                try:
+                    self.transport.recreate_own_windows(kinds)
+                    self.stash.put_back(kinds, non_blocking)
+                except Exception as err:  # noqa: BLE001 - every rank learns of it in the next round
+                    made = err
+                rows = self.link.job_rows(self.round(RoundKind.WINDOWS_BACK, torch.tensor([float(made is not None)]),
+                                                     what))
+                failed = [r for r in range(rows.shape[0]) if rows[r][0] != 0]  # job ranks
+                if failed:
+                    self.transport.drop_own_windows(kinds)
+                    refused = made or ODCStateError(
+                        f"rank(s) {failed} could not allocate their {describe(kinds)} again ({what}): every rank keeps "
+                        "them in host memory; free the memory they need (each failing rank's error says how much and "
+                        "where) and call engine.reload_states() again on every rank")
+                else:
+                    self.transport.map_peer_windows(kinds)
+                    self.round(RoundKind.WINDOWS_BACK, _EMPTY, what)  # every rank mapped every new window
+                    self.transport.windows_mapped(kinds)
+                    self.stash.release(kinds)
+        self._note(previous, force=True)
+        if refused is not None:
+            raise refused
+        return kinds
+
+    def _agree(self, kind: RoundKind, columns: tuple, values: list, what: str) -> None:
+        """A round whose values every rank of the job must give alike (masks of window kinds)."""
+        rows = self.link.job_rows(self.round(kind, torch.tensor([mask(v) for v in values], dtype=torch.float64),
+                                             what))
+        differing = disagreement(rows, columns)
+        if differing is not None:
+            raise ODCStateError(f"{what} was called differently on the ranks ({differing}): call it on every rank "
+                                "with the same arguments")
+
+    def _require(self, kinds: set, what: str) -> None:
+        """Refuse (failing the group: the ranks have diverged) what needs a window that is away."""
+        away = self.stash.away & kinds
+        if away:
+            err = ODCStateError(f"{what} needs this rank's {describe(away)}, which engine.offload_states() moved to "
+                                "host memory: call engine.reload_states() on every rank first")
+            self.fail(err, what)
+            raise err
 
     def open(self) -> None:
         """Run the open round now (collective; a no-op once it ran): an engine that has no later point where

@@ -25,6 +25,8 @@ class RoundKind(enum.IntEnum):
     DISCARD = 9
     GRADIENT_NORM = 10
     VALUES = 11
+    WINDOWS_AWAY = 12
+    WINDOWS_BACK = 13
 
     @property
     def text(self) -> str:
@@ -43,6 +45,8 @@ _ROUND_TEXT = {
     RoundKind.DISCARD: "discarding gradients (optimizer.zero_grad outside a step)",
     RoundKind.GRADIENT_NORM: "a gradient-norm exchange outside a step",
     RoundKind.VALUES: "an exchange of values between steps (counts, metrics)",
+    RoundKind.WINDOWS_AWAY: "moving windows off the device (engine.offload_states)",
+    RoundKind.WINDOWS_BACK: "bringing windows back (engine.reload_states)",
 }
 
 

@@ -35,6 +35,7 @@ class LoopbackGroup:
         self.params = [torch.zeros(param_numel) for _ in range(world)]
         self.grads = [torch.zeros(grad_numel, dtype=grad_dtype) for _ in range(world)]
         self.alive = [True] * world
+        self.refuse_recreate = [False] * world  # a rank whose next recreate_own_windows fails (once)
         self.lock = threading.Lock()
 
     def transport(self, rank: int) -> "LoopbackTransport":
@@ -83,6 +84,29 @@ class LoopbackTransport(Transport):
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         with self.group.lock:
             self.group.grads[owner].narrow(0, offset, grad.numel()).add_(grad.reshape(-1))
+
+    # windows away and back: the group's list entry is the window (None while away)
+    def _windows(self, kind):
+        return self.group.params if kind == "params" else self.group.grads
+
+    def drop_peer_windows(self, kinds) -> None:
+        pass  # one process: there are no mappings of peers' windows
+
+    def drop_own_windows(self, kinds) -> None:
+        for kind in kinds:
+            self._windows(kind)[self.rank] = None
+
+    def recreate_own_windows(self, kinds) -> None:
+        if self.group.refuse_recreate[self.rank]:
+            self.group.refuse_recreate[self.rank] = False
+            raise MemoryError(f"loopback rank {self.rank}: no room (injected)")
+        for kind in kinds:
+            numel = self.group.spec.param_numel if kind == "params" else self.group.spec.grad_numel
+            dtype = self.group.spec.param_dtype if kind == "params" else self.group.spec.grad_dtype
+            self._windows(kind)[self.rank] = torch.zeros(numel, dtype=dtype)
+
+    def map_peer_windows(self, kinds) -> None:
+        pass
 
     def close(self) -> None:
         self._close_plane()

@@ -1,0 +1,213 @@
+"""What the ranks run in the ``offload_states`` / ``reload_states`` tests (see test_offload_states.py).
+
+Each workload trains the same steps twice in the same ranks, once plainly and once with the engine
+calls under test in the middle, and returns both records: the test asserts they are bit-identical.
+"""
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+
+#: DeepSpeed's Adam (FusedAdam: what ``offload_states`` of the optimizer's states requires).
+FUSED_ADAM = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+
+
+def _config(stage, bf16=False, managed=True, odc=None, **zero):
+    cfg = ds_config(stage, bf16=bf16, managed=managed, **({"odc": odc} if odc and stage == "odc" else {}), **zero)
+    cfg["optimizer"] = FUSED_ADAM
+    return cfg
+
+
+def _states(names):
+    return None if names is None else [OffloadStateTypeEnum(name) for name in names]
+
+
+def _micro_batches(engine, step, indices, token):
+    rank = tdist.get_rank()
+    losses = []
+    dtype = next(p for p in engine.module.parameters()).dtype
+    for index in indices:
+        x, y, mask = micro_batch(step, rank, index)
+        pred = engine(x.to(dtype))
+        if token:
+            loss = mse_token_sum(pred, y, mask)
+            engine.backward(loss, loss_tokens=int(mask.sum().item()))
+        else:
+            loss = mse_mean(pred, y)
+            engine.backward(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memory, non_blocking, odc, frozen):
+    """``calls``: {step: include} of the steps before which offload_states(include)/reload_states run
+    (after that step's first micro-batch when ``mid_accumulation``: the gradients pushed so far must
+    survive); include lists state names (None: every state)."""
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(frozen=frozen),
+                                      config=_config(stage, bf16=bf16, managed=False, odc=odc))
+    record = {"losses": [], "params": []}
+    for step in range(steps):
+        first = 0
+        if step in calls and mid_accumulation:
+            record["losses"] += _micro_batches(engine, step, [0], token)
+            first = 1
+        if step in calls:
+            engine.offload_states(include=_states(calls[step]), pin_memory=pin_memory, non_blocking=non_blocking)
+            engine.reload_states(non_blocking=non_blocking)
+        record["losses"] += _micro_batches(engine, step, range(first, counts[rank]), token)
+        engine.step()
+        record["params"].append(full_params(engine))
+    engine.destroy()
+    return record
+
+
+def offload_round_trip(options: dict):
+    """The run without the calls, then the same run with offload_states/reload_states before each
+    step of ``options["calls"]``: ``{"plain": record, "offloaded": record}``. ``options`` override
+    :data:`DEFAULTS`; ``frozen``: the model has a frozen layer (ZeRO-3's own ``offload_states`` of
+    ``lp_params`` fails on one: it maps frozen shards into the trainable flat buffer)."""
+    options = {**DEFAULTS, **options}
+    calls = options.pop("calls")
+    return {"plain": _train(calls={}, **options), "offloaded": _train(calls=calls, **options)}
+
+
+DEFAULTS = dict(stage="odc", counts=(1, 1), steps=5, calls={2: None}, bf16=False, mid_accumulation=False, token=False,
+                pin_memory=True, non_blocking=False, odc=None, frozen=True)
+
+
+# -- an RL rollout's shape: a trained policy and a frozen reference, both offloaded around the rollout ----
+def rollout_round_trip(offload: bool, counts=(1, 3), steps=4, offload_at=2):
+    """A policy (training engine) and a reference (frozen engine), parameters released after every use;
+    rank r scores ``counts[r]`` micro-batches with the reference and trains on them. Before step
+    ``offload_at`` both engines' states are offloaded and reloaded (when ``offload``), as RL frameworks do
+    around a rollout. Returns the losses and the policy's parameters after every step."""
+    from tests.distributed.frozen_workloads import RELEASED, frozen_config
+
+    rank = tdist.get_rank()
+    reference, *_ = deepspeed.initialize(model=make_model(seed=7), config=frozen_config("odc"))
+    policy_config = _config("odc", managed=False, **RELEASED)
+    policy, *_ = deepspeed.initialize(model=make_model(), config=policy_config)
+    record = {"losses": [], "params": [], "away_while_offloaded": None}
+    for step in range(steps):
+        if offload and step == offload_at:
+            policy.offload_states()
+            reference.offload_states()
+            record["away_while_offloaded"] = sorted(policy.odc_runtime.windows_away | reference.odc_runtime.windows_away)
+            reference.reload_states()
+            policy.reload_states()
+        for index in range(counts[rank]):
+            x, y, _ = micro_batch(step, rank, index)
+            with torch.no_grad():
+                anchor = reference(x)
+            loss = mse_mean(policy(x), anchor + y)
+            policy.backward(loss)
+            record["losses"].append(loss.item())
+        policy.step()
+        record["params"].append(full_params(policy))
+    reference.destroy()
+    policy.destroy()
+    return record
+
+
+# -- what must be named on every rank ---------------------------------------------------------------------
+def _timed(fn):
+    """Run ``fn``; (error type name, message, seconds it took), or (None, None, seconds)."""
+    import time
+
+    started = time.monotonic()
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - returned to the test
+        return type(err).__name__, str(err), time.monotonic() - started
+    return None, None, time.monotonic() - started
+
+
+def misuse(case: str, timeout_s: float = 60.0):
+    """One rank does what it must not; returns what each rank's call raised, and how long it waited.
+
+    ``pull_while_offloaded``: rank 0 runs a forward between offload_states and reload_states, rank 1
+    waits in reload_states. ``one_rank_only``: rank 0 calls offload_states, rank 1 trains on to the step.
+    ``different_states``: rank 0 offloads the parameters, rank 1 the gradients."""
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(),
+                                      config=_config("odc", managed=False, odc={"timeout_s": timeout_s}))
+    x, y, _ = micro_batch(0, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    if case == "pull_while_offloaded":  # rank 1 may learn of it at the end of its own offload_states already
+        outcome = _timed(lambda: (engine.offload_states(), engine(x) if rank == 0 else engine.reload_states()))
+    elif case == "one_rank_only":
+        def train_on():
+            engine.backward(mse_mean(engine(x), y))
+            engine.step()
+        outcome = _timed(engine.offload_states if rank == 0 else train_on)
+    else:
+        state = OffloadStateTypeEnum.lp_params if rank == 0 else OffloadStateTypeEnum.lp_grads
+        outcome = _timed(lambda: engine.offload_states(include=[state]))
+    phase = engine.odc_phase.value
+    engine.destroy()
+    return {"error": outcome[0], "message": outcome[1], "seconds": outcome[2], "phase": phase}
+
+
+def reload_refused_then_retried(failing_rank: int = 1, steps: int = 4):
+    """Rank ``failing_rank`` cannot make its windows again at the first reload_states (as a device a
+    rollout engine still holds): every rank must raise, naming it, with the windows still away; the
+    second reload_states succeeds and training goes on. Returns the errors, what was away after the
+    refusal, and the run's losses and parameters (to compare with a run without the calls)."""
+    import errno
+
+    import ds_odc.comm.shm as shm
+    from ds_odc.comm.segments import SegmentSpaceError
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
+    record = {"losses": [], "params": []}
+    for step in range(steps):
+        if step == 2:
+            engine.offload_states()
+            if rank == failing_rank:  # the shm directory is full for the first segment made again
+                original = shm.create_reserved
+
+                def full(path, nbytes):
+                    shm.create_reserved = original
+                    raise SegmentSpaceError(path, nbytes, OSError(errno.ENOSPC, "No space left on device"))
+
+                shm.create_reserved = full
+            record["refused"] = _timed(engine.reload_states)[:2]
+            record["away_after_refusal"] = sorted(engine.odc_runtime.windows_away)
+            engine.reload_states()
+        record["losses"] += _micro_batches(engine, step, [0], token=False)
+        engine.step()
+        record["params"].append(full_params(engine))
+    engine.destroy()
+    return record
+
+
+def windows_unmapped_while_away():
+    """Which of this process's mappings are ODC window files: before offload_states, while away, and after
+    reload_states (shm transport), and which ODC files are left in shm_dir at the end."""
+    import os
+
+    def mapped_windows():
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                           for line in maps if "ds_odc_" in line})
+
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
+    shm_dir, session = engine.odc_options.shm_dir, engine.odc_runtime.transport._session
+    before = mapped_windows()
+    engine.offload_states()
+    away = mapped_windows()
+    engine.reload_states()
+    after = mapped_windows()
+    engine.backward(mse_mean(engine(micro_batch(0, 0, 0)[0]), micro_batch(0, 0, 0)[1]))
+    engine.step()
+    engine.destroy()
+    tdist.barrier()
+    leftovers = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ds_odc_{session}"))
+    return {"session": session, "before": before, "away": away, "after": after, "leftovers": leftovers}

@@ -1,0 +1,93 @@
+"""``engine.offload_states()`` / ``reload_states()`` on the odc stage (RL frameworks call them around every
+rollout): training after them is bit for bit the training without them, the windows really leave (their
+pages are unmapped), and every misuse is named on every rank within seconds.
+
+Bit for bit needs an order-independent accumulation: pushes from several ranks land in an owner's
+accumulator in arrival order, so with several micro-batches per rank the fp32 runs use the fp64
+accumulator (sums of a few fp32 gradients are exact in fp64), and the bf16 runs are exact in fp32."""
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.offload_states_workloads import (misuse, offload_round_trip, reload_refused_then_retried,
+                                                         rollout_round_trip, windows_unmapped_while_away)
+
+
+def _assert_identical(plain, offloaded, label=""):
+    assert offloaded["losses"] == plain["losses"], f"{label} losses differ"
+    for step, (a, b) in enumerate(zip(plain["params"], offloaded["params"])):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{label} step {step}: {name} differs"
+
+
+CASES = {
+    # the issue's reproduction: DeepSpeed's Adam, every state, between steps
+    "fp32-every-state": {"calls": {2: None}},
+    # each state on its own and all of them, with gradients pushed before the call (lp_grads must survive),
+    # uneven counts and per-token normalisation, bf16
+    "bf16-uneven-token-each-state": {
+        "counts": (1, 3), "bf16": True, "token": True, "mid_accumulation": True, "steps": 6,
+        "calls": {1: ["lp_params"], 2: ["lp_grads"], 3: ["hp_params", "optim_states", "contiguous_grad_buffer"],
+                  4: None}},
+    "fp32-uneven-unpinned-non-blocking": {
+        "counts": (3, 1), "mid_accumulation": True, "pin_memory": False, "non_blocking": True,
+        "odc": {"accumulator_dtype": "fp64"}, "calls": {1: None, 3: ["lp_grads", "lp_params"]}},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_after_offload_and_reload_equals_training_without(case):
+    for rank, result in enumerate(run_ranks(offload_round_trip, 2, CASES[case])):
+        _assert_identical(result["plain"], result["offloaded"], f"rank {rank}")
+
+
+def test_policy_and_frozen_reference_offloaded_around_a_rollout():
+    """Both engines of an RL step (the frozen one included, which ZeRO-3 refuses to offload) with uneven
+    counts: equal to the run without the calls, and both windows were away in between."""
+    plain = run_ranks(rollout_round_trip, 2, False)
+    offloaded = run_ranks(rollout_round_trip, 2, True)
+    for rank in range(2):
+        assert offloaded[rank]["away_while_offloaded"] == ["grads", "params"]
+        _assert_identical(plain[rank], offloaded[rank], f"rank {rank}")
+
+
+def test_windows_are_unmapped_while_away_and_no_file_is_left():
+    for result in run_ranks(windows_unmapped_while_away, 2):
+        windows = lambda names: [n for n in names if n.endswith(("_params", "_grads"))]  # noqa: E731
+        assert len(windows(result["before"])) == 4  # both ranks' parameter windows and accumulators
+        assert windows(result["away"]) == []
+        assert len(windows(result["after"])) == 4 and set(windows(result["after"])).isdisjoint(result["before"])
+        assert result["leftovers"] == []
+
+
+def test_a_pull_while_offloaded_is_named_on_every_rank_within_seconds():
+    puller, waiter = run_ranks(misuse, 2, "pull_while_offloaded")
+    assert puller["error"] == "ODCStateError" and "reload_states" in puller["message"]
+    assert waiter["error"] in ("ODCPeerError", "ODCGroupFailedError") and "rank 0" in waiter["message"]
+    assert waiter["seconds"] < 10, "the waiting rank learned of it only at its timeout"
+    assert puller["phase"] == waiter["phase"] == "failed"
+
+
+def test_offload_states_on_one_rank_only_is_named_on_every_rank_within_seconds():
+    results = run_ranks(misuse, 2, "one_rank_only")
+    for rank, result in enumerate(results):
+        assert result["error"] == "ODCPeerError", f"rank {rank}: {result}"
+        assert "offload_states" in result["message"] and "engine.step" in result["message"], result["message"]
+        assert result["seconds"] < 10
+
+
+def test_different_states_on_different_ranks_are_refused_on_every_rank():
+    for result in run_ranks(misuse, 2, "different_states"):
+        assert result["error"] in ("ODCStateError", "ODCPeerError"), result
+        assert "parameter window" in result["message"] and "gradient accumulator" in result["message"]
+
+
+def test_a_rank_that_cannot_reload_is_named_on_every_rank_and_a_retry_trains_on():
+    results = run_ranks(reload_refused_then_retried, 2)
+    plain = run_ranks(offload_round_trip, 2, {"calls": {}, "steps": 4})
+    for rank, result in enumerate(results):
+        error, message = result["refused"]
+        assert error in ("ODCConfigError", "ODCStateError"), result["refused"]
+        assert ("no room for rank 1's" in message) if rank == 1 else ("rank(s) [1]" in message), message
+        assert result["away_after_refusal"] == ["grads", "params"]
+        _assert_identical(plain[rank]["plain"], result, f"rank {rank}")
