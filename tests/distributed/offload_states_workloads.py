@@ -43,13 +43,13 @@ def _micro_batches(engine, step, indices, token):
     return losses
 
 
-def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memory, non_blocking, odc, frozen):
+def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memory, non_blocking, odc, frozen, zero):
     """``calls``: {step: include} of the steps before which offload_states(include)/reload_states run
     (after that step's first micro-batch when ``mid_accumulation``: the gradients pushed so far must
     survive); include lists state names (None: every state)."""
     rank = tdist.get_rank()
     engine, *_ = deepspeed.initialize(model=make_model(frozen=frozen),
-                                      config=_config(stage, bf16=bf16, managed=False, odc=odc))
+                                      config=_config(stage, bf16=bf16, managed=False, odc=odc, **zero))
     record = {"losses": [], "params": []}
     for step in range(steps):
         first = 0
@@ -77,7 +77,7 @@ def offload_round_trip(options: dict):
 
 
 DEFAULTS = dict(stage="odc", counts=(1, 1), steps=5, calls={2: None}, bf16=False, mid_accumulation=False, token=False,
-                pin_memory=True, non_blocking=False, odc=None, frozen=True)
+                pin_memory=True, non_blocking=False, odc=None, frozen=True, zero={})
 
 
 # -- an RL rollout's shape: a trained policy and a frozen reference, both offloaded around the rollout ----
@@ -211,3 +211,60 @@ def windows_unmapped_while_away():
     tdist.barrier()
     leftovers = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ds_odc_{session}"))
     return {"session": session, "before": before, "away": away, "after": after, "leftovers": leftovers}
+
+
+# -- the other engine calls that replace or move ZeRO-3's partitioned buffers after initialize -------------
+def _steps(engine, first, steps, record):
+    for step in range(first, first + steps):
+        record["losses"] += _micro_batches(engine, step, [0], token=False)
+        engine.step()
+        record["params"].append(full_params(engine))
+
+
+def after_empty_partition_cache(call: bool, steps: int = 4):
+    """Train; before step 2 (when ``call``) ``engine.empty_partition_cache()`` on the policy and on a frozen
+    reference whose forwards feed nothing (its gathered parameters are dropped too)."""
+    from tests.distributed.frozen_workloads import frozen_config
+
+    reference, *_ = deepspeed.initialize(model=make_model(seed=7), config=frozen_config("odc"))
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
+    record = {"losses": [], "params": [], "reference": []}
+    for step in range(steps):
+        if call and step == 2:
+            engine.empty_partition_cache()
+            reference.empty_partition_cache()
+        with torch.no_grad():
+            record["reference"].append(reference(micro_batch(step, 0, 0)[0]))
+        _steps(engine, step, 1, record)
+    reference.destroy()
+    engine.destroy()
+    return record
+
+
+def after_destroy_and_initialize(first_engine: bool, steps: int = 3):
+    """When ``first_engine``, an engine trains 2 steps and is destroyed first; then a new engine (its own
+    model) trains ``steps``: it must train as if it were the process's only one."""
+    if first_engine:
+        engine, *_ = deepspeed.initialize(model=make_model(seed=5), config=_config("odc", managed=False))
+        _steps(engine, 0, 2, {"losses": [], "params": []})
+        engine.destroy()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
+    record = {"losses": [], "params": []}
+    _steps(engine, 0, steps, record)
+    engine.destroy()
+    return record
+
+
+def after_load_module_only(stage, ckpt_dir: str, steps: int = 3):
+    """Train 2 steps and save; a new engine (other initial weights) loads the module only
+    (``load_checkpoint(load_module_only=True)``: a warm start with fresh optimizer states) and trains on."""
+    first, *_ = deepspeed.initialize(model=make_model(), config=_config(stage, managed=False))
+    _steps(first, 0, 2, {"losses": [], "params": []})
+    first.save_checkpoint(ckpt_dir, tag="warm")
+    first.destroy()
+    engine, *_ = deepspeed.initialize(model=make_model(seed=99), config=_config(stage, managed=False))
+    engine.load_checkpoint(ckpt_dir, tag="warm", load_module_only=True)
+    record = {"losses": [], "params": [full_params(engine)]}
+    _steps(engine, 2, steps, record)
+    engine.destroy()
+    return record

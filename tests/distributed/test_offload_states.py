@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.offload_states_workloads import (misuse, offload_round_trip, reload_refused_then_retried,
-                                                         rollout_round_trip, windows_unmapped_while_away)
+from tests.distributed.offload_states_workloads import (after_destroy_and_initialize, after_empty_partition_cache,
+                                                         after_load_module_only, misuse, offload_round_trip,
+                                                         reload_refused_then_retried, rollout_round_trip,
+                                                         windows_unmapped_while_away)
 
 
 def _assert_identical(plain, offloaded, label=""):
@@ -91,3 +93,40 @@ def test_a_rank_that_cannot_reload_is_named_on_every_rank_and_a_retry_trains_on(
         assert ("no room for rank 1's" in message) if rank == 1 else ("rank(s) [1]" in message), message
         assert result["away_after_refusal"] == ["grads", "params"]
         _assert_identical(plain[rank]["plain"], result, f"rank {rank}")
+
+
+# -- the other calls that replace or move ZeRO-3's partitioned buffers after initialize ------------------
+def test_offload_states_with_the_optimizer_offloaded_trains_on_as_without():
+    """offload_optimizer (DeepSpeed's static optimizer offload, whose refresh of host buffers at the step
+    reads the accumulator): every state the engine lets move, moved and back."""
+    case = {"counts": (2, 1), "mid_accumulation": True, "odc": {"accumulator_dtype": "fp64"},
+            "zero": {"offload_optimizer": {"device": "cpu"}}, "calls": {1: None, 2: ["lp_params"]}}
+    for rank, result in enumerate(run_ranks(offload_round_trip, 2, case)):
+        _assert_identical(result["plain"], result["offloaded"], f"rank {rank}")
+
+
+def test_empty_partition_cache_keeps_training_and_frozen_forwards_as_without():
+    plain = run_ranks(after_empty_partition_cache, 2, False)
+    called = run_ranks(after_empty_partition_cache, 2, True)
+    for rank in range(2):
+        _assert_identical(plain[rank], called[rank], f"rank {rank}")
+        assert all(torch.equal(a, b) for a, b in zip(plain[rank]["reference"], called[rank]["reference"]))
+
+
+def test_an_engine_after_another_was_destroyed_trains_as_the_only_one():
+    alone = run_ranks(after_destroy_and_initialize, 2, False)
+    second = run_ranks(after_destroy_and_initialize, 2, True)
+    for rank in range(2):
+        _assert_identical(alone[rank], second[rank], f"rank {rank}")
+
+
+def test_load_checkpoint_module_only_trains_on_as_zero3(tmp_path):
+    """A warm start from a checkpoint's weights: the loaded weights and the steps after equal ZeRO-3's doing
+    the same (its rounding: one micro-batch per rank, so the sums are order-free)."""
+    odc = run_ranks(after_load_module_only, 2, "odc", str(tmp_path / "odc"))
+    zero3 = run_ranks(after_load_module_only, 2, 3, str(tmp_path / "zero3"))
+    for rank in range(2):
+        assert odc[rank]["losses"] == pytest.approx(zero3[rank]["losses"], rel=1e-6)
+        for step, (a, b) in enumerate(zip(odc[rank]["params"], zero3[rank]["params"])):
+            for name in a:
+                assert torch.allclose(a[name], b[name], rtol=1e-6, atol=1e-7), f"rank {rank} step {step}: {name}"
