@@ -101,7 +101,8 @@ def refine(costs: Sequence[float], partition: list[list[int]], equal_size: bool 
     rounds = len(costs) if max_rounds is None else max_rounds
     for _ in range(rounds):
         heavy = max(range(len(parts)), key=lambda p: (sums[p], -p))
-        best = None  # (new heavy sum, other part, item out of heavy, item in from other or None)
+        # (new heavy sum, other part, item out of heavy, item in from other or None)
+        best: tuple[float, int, int, int | None] | None = None
         heavy_sorted = sorted(parts[heavy], key=lambda i: costs[i])
         heavy_costs = [costs[i] for i in heavy_sorted]
         for other in range(len(parts)):
