@@ -43,8 +43,9 @@ SECTION = "## Activation offload: bytes routed and copy cost per token"
 
 def _naive_bytes(model, batch) -> int:
     """What a hook that copies every saved tensor (``save_on_cpu``) would move: storages counted once."""
-    from packed_lm import loss_sum
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from packed_lm import loss_sum
 
     seen, total = {}, [0]
 
@@ -82,6 +83,7 @@ def _time_copies(clock: list) -> None:
 
 def run_variant(rank: int, cell: dict) -> dict:
     import deepspeed
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     clock = [0.0]

@@ -56,8 +56,10 @@ def _ds_config(engine, metrics):
 
 def _run_cell(rank, cell):
     import deepspeed
+
     import ds_odc  # noqa: F401
     import ds_odc.metrics
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -98,7 +100,9 @@ def run_cell(cell, timeout_s=1800):
 # -- planning --------------------------------------------------------------------------------------
 def fit_cost_model(token_cap):
     """Time single-sample forward+backward of the benchmark's model here, at lengths up to the cap."""
-    from ds_odc.balance import fit_cost_model as fit, forward_backward_timer
+    from ds_odc.balance import fit_cost_model as fit
+    from ds_odc.balance import forward_backward_timer
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     torch.manual_seed(0)

@@ -45,6 +45,7 @@ def _model():
 
 def _plans(policy: str, cost_model):
     from ds_odc.balance import plan_minibatch
+
     from packed_lm import longalign_like_lengths
 
     size = SAMPLES_PER_GROUP * (WORLD // SP)

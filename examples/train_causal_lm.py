@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ds_odc  # noqa: E402,F401  registers the "odc" stage
 from ds_odc.balance import BalancedBatchSampler, CostModel  # noqa: E402
 from ds_odc.metrics import step_line  # noqa: E402
+
 from packed_lm import PackedCausalLM, longalign_like_lengths, loss_sum, make_sample, pack  # noqa: E402
 
 SCALE = 128  # LongAlign's 64K-token cap becomes 512 tokens: a step takes a fraction of a second on a CPU

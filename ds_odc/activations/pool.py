@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+
 @dataclasses.dataclass
 class PoolStats:
     """``capacity``: bytes of the pool buffer. ``high_water``: most bytes a lease held at once (spills included).

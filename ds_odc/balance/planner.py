@@ -42,7 +42,14 @@ from typing import Sequence
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.packing import (
-    Packer, check_lengths, check_padding, micro_batch_cost, micro_batch_tokens, packer_for, padded_length)
+    Packer,
+    check_lengths,
+    check_padding,
+    micro_batch_cost,
+    micro_batch_tokens,
+    packer_for,
+    padded_length,
+)
 from ds_odc.balance.partition import karmarkar_karp, refine
 from ds_odc.errors import ODCError
 

@@ -25,8 +25,16 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.utils import logger
 
-from ds_odc.activations import (HostPool, MicroBatchOffload, MicroBatchStats, SavedProfile, decide, measure_copy_rate,
-                                measure_profile, tokens_that_fit)
+from ds_odc.activations import (
+    HostPool,
+    MicroBatchOffload,
+    MicroBatchStats,
+    SavedProfile,
+    decide,
+    measure_copy_rate,
+    measure_profile,
+    tokens_that_fit,
+)
 from ds_odc.activations.policy import MIB
 from ds_odc.config import ActivationOffloadConfig
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 import functools
 
 from deepspeed.utils import logger
-from ds_odc_import_hooks import when_imported
 
 from ds_odc.config import MARKER_KEY, ODC_STAGE, canonicalize, env_switch, is_odc_config, stage_three
 from ds_odc.integration import hf_trainer
 from ds_odc.integration.patching import PatchSet
 from ds_odc.integration.versions import untested_hf_release
+from ds_odc_import_hooks import when_imported
 
 PATCHED_MODULE = "accelerate.utils.deepspeed"
 _patches = PatchSet("accelerate reads an 'odc' ds_config as ZeRO-3")

@@ -159,6 +159,7 @@ def _rank_entry(fn_ref, rank, world_size, port, results, payload, env, log_path,
         import torch
         torch.set_num_threads(1)
         import deepspeed
+
         import ds_odc  # noqa: F401  registers the "odc" stage
         fn, setup, args = _resolve(fn_ref), _resolve(setup_ref), pickle.loads(payload)
         if setup is not None:

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import dynamic_micro_batches as example  # noqa: E402
+
 from packed_lm import loss_sum, pack  # noqa: E402
 
 STEPS = 3

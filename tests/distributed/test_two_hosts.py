@@ -20,9 +20,14 @@ import time
 import pytest
 import torch
 
+from tests.distributed.checkpoint_workloads import (
+    RESHARD_TOLERANCE,
+    load_and_continue,
+    merged_losses,
+    to_universal,
+    train_and_save,
+)
 from tests.distributed.compare import max_rel_diff, worst_rel_diff
-from tests.distributed.checkpoint_workloads import (RESHARD_TOLERANCE, load_and_continue, merged_losses,
-                                                    to_universal, train_and_save)
 from tests.distributed.harness import run_ranks
 from tests.distributed.netns import available, two_hosts
 from tests.distributed.two_host_workloads import MASKED, UNEVEN

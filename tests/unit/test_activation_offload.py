@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from ds_odc.activations import HostPool, MicroBatchOffload, SavedProfile, decide, measure_profile, plan_offload, \
-    pool_bytes, tokens_that_fit
+from ds_odc.activations import (
+    HostPool,
+    MicroBatchOffload,
+    SavedProfile,
+    decide,
+    measure_profile,
+    plan_offload,
+    pool_bytes,
+    tokens_that_fit,
+)
 from ds_odc.balance import plan_minibatch
 from ds_odc.balance.cost import CostModel, OffloadAwareCost, OffloadTransfer
 from ds_odc.config import canonicalize, parse_options

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from ds_odc import ODCError
-from ds_odc.balance import (BalancedBatchSampler, CostModel, Plan, fit_cost_model, karmarkar_karp, plan_minibatch,
-                            refine)
+from ds_odc.balance import BalancedBatchSampler, CostModel, Plan, fit_cost_model, karmarkar_karp, plan_minibatch, refine
 from ds_odc.balance.packing import pack_padded
 from ds_odc.balance.partition import largest_part
 

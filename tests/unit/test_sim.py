@@ -14,11 +14,18 @@ import benchmarks.sim
 import benchmarks.sim.hardware
 import benchmarks.sim.presets
 import benchmarks.sim.timeline
+from benchmarks.sim import (
+    Hardware,
+    golden_preset,
+    longalign_like_lengths,
+    measured_preset,
+    plan_from_record,
+    project,
+    simulate_step,
+)
+from benchmarks.sim.calibrate import calibrate, held_out_errors
 from ds_odc import ODCError
 from ds_odc.balance import CostModel, Plan, plan_minibatch
-from benchmarks.sim.calibrate import calibrate, held_out_errors
-from benchmarks.sim import (Hardware, golden_preset, longalign_like_lengths, measured_preset,
-                        plan_from_record, project, simulate_step)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = CostModel(quadratic=1e-6, linear=1e-3, per_micro_batch=0.01)
