@@ -159,7 +159,8 @@ def summarise(cell, results, measured_plans, measured_baseline):
             "plan_utilisation": _plan_utilisation(measured_plans, cell["engine"] == "zero3"),
             "micro_batches": [[len(rank) for rank in p.micro_batches] for p in measured_plans],
             "per_micro_batch_s": _per_micro_batch(results),
-            "steps": [{"lengths": list(p.lengths), "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
+            "steps": [{"lengths": list(p.lengths),
+                       "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
                       for p in measured_plans]}
 
 
@@ -201,7 +202,8 @@ def markdown(rows, cost_model, command, overhead):
              f"tokens): {cost_model.quadratic:.3e}·s² + {cost_model.linear:.3e}·s + {cost_model.per_micro_batch:.3e} "
              "s per micro-batch.", "",
              "| workload | samples/rank | method | samples/s | vs ZeRO-3+LB-Micro | balance bound | % of bound "
-             "| utilisation r0 / r1 (plan ceiling) | peak RSS MiB r0 / r1 | micro-batches per rank (first measured step) |",
+             "| utilisation r0 / r1 (plan ceiling) | peak RSS MiB r0 / r1 "
+             "| micro-batches per rank (first measured step) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {(r["workload"], r["samples_per_rank"]): r for r in rows
                 if (r["engine"], r["policy"]) == ("zero3", "lb-micro")}

@@ -205,7 +205,8 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
         raise ODCConfigError(f"{ENV_OPTIONS}={raw!r} is not JSON ({err}); give the odc options as a JSON object, "
                              'e.g. {"timeout_s": 60}') from None
     if not isinstance(options, dict):
-        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, e.g. {{\"timeout_s\": 60}}")
+        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, "
+                             'e.g. {"timeout_s": 60}')
     return options
 
 
@@ -243,7 +244,8 @@ def _check_combinations(ds_config: dict) -> None:
                              "parallelism partitions ZeRO-3 over the data-parallel mesh only and is not supported on "
                              "the odc stage; use ALST's route instead (the mpu from UlyssesSPAttentionHF."
                              "register_with_transformers(...) passed to deepspeed.initialize, or accelerate's "
-                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave sequence_parallel_size out')
+                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave '
+                             "sequence_parallel_size out")
 
 
 #: Settings activation offload cannot compose with: (path, predicate of "in use", why).

@@ -82,7 +82,8 @@ def main():
         if rank == 0:
             loss_per_token = sum(g[0] for g in gathered) / sum(g[1] for g in gathered)
             progress.set_postfix(loss=f"{loss_per_token:.3f}")
-            progress.write(f"step {step:3d} | loss/token {loss_per_token:.4f} | {step_line([g[2] for g in gathered], with_step=False)}")
+            utilisation = step_line([g[2] for g in gathered], with_step=False)
+            progress.write(f"step {step:3d} | loss/token {loss_per_token:.4f} | {utilisation}")
     engine.destroy()
 
 

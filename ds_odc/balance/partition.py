@@ -71,7 +71,7 @@ def _karmarkar_karp(costs, parts, equal_size, order):
     while len(heap) > 1:
         heavy = heapq.heappop(heap)[2]
         light = heapq.heappop(heap)[2]
-        push([(h[0] + l[0], (h[1], l[1])) for h, l in zip(heavy, reversed(light))])
+        push([(high[0] + low[0], (high[1], low[1])) for high, low in zip(heavy, reversed(light))])
     return [sorted(_flatten(part[1])) for part in heap[0][2]]
 
 

@@ -193,7 +193,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, _STAGE3, "persistent_parameters", Kind.INSTANCE_ATTRIBUTE, _OPT,
                 "pulled after the step instead of all-gathered", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "offload_param", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
-                "where the shards live: with parameter offload, one host buffer per parameter group", found_in="__init__"),
+                "where the shards live: with parameter offload, one host buffer per parameter group",
+                found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "param_groups_fp16_flat_cpu_memory", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
                 "the host buffers of parameter offload, rebound to slices of the window", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "_move_to_flat_buffer", Kind.METHOD, _WINDOWS,
@@ -212,9 +213,11 @@ SURFACE: tuple[PrivateName, ...] = (
                 "pushes run on ZeRO-3's reduce stream", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE, _OPT, "the mean rule's divisor",
                 found_in="__init__"),
-    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}", "the trainable parameters, by sub-group",
+    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
+                "the trainable parameters, by sub-group",
                 found_in="__init__"),
-    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _WINDOWS, "rebuilt on the window",
+    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
+                "rebuilt on the window",
                 found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "averaged_gradients", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
                 "set to the accumulator views before the step", found_in="__init__"),
@@ -286,7 +289,8 @@ SURFACE: tuple[PrivateName, ...] = (
                 "ds_odc/integration/launcher.py", "read when the launcher starts the nodes", found_in="main"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
     PrivateName("accelerate.utils.dataclasses", "DeepSpeedPlugin", "ACCELERATE_DEEPSPEED_ZERO_STAGE", Kind.FILE_NAME,
-                "ds_odc_import_hooks.py", "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
+                "ds_odc_import_hooks.py",
+                "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
                 found_in="__post_init__"),
     PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
                 f"{_HF}, ds_odc_autoload.py", "patched: canonicalises a config that mentions 'odc' first (any other "
@@ -299,7 +303,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
                 "forgets the released inference engine", found_in="__init__"),
     PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
-                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)", found_in="__init__"),
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)",
+                found_in="__init__"),
     PrivateName("accelerate.state", "GradientState", "_set_sync_gradients", Kind.METHOD, _BALANCE,
                 "the accumulation boundary on a slot's last micro-batch only"),
     PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _LOADER,
@@ -333,7 +338,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
                 "bound on balance Trainers: counts over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
-                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world", found_in="_run_epoch"),
+                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
+                found_in="_run_epoch"),
 )
 
 
@@ -391,5 +397,6 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("an atexit hook", "the process (DS_ODC_CLEAN_EXIT=0: none)", "gloo workers finish their last "
                 "decref before finalisation; no collective, bounded wait", "ds_odc/integration/clean_exit.py"),
     ProcessWide("a post-import finder on sys.meta_path", "until the modules it waits for are imported",
-                "ds_odc patches accelerate and transformers only once a program imports them", "ds_odc_import_hooks.py"),
+                "ds_odc patches accelerate and transformers only once a program imports them",
+                "ds_odc_import_hooks.py"),
 )

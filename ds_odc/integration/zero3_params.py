@@ -4,8 +4,9 @@ ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
 
 * each parameter's ``all_gather_coalesced`` / ``all_gather`` closures, the only ways the coordinator,
   ``GatheredParameters`` and the step's persistent-parameter refresh gather, are replaced by pulls
-  from the owners' windows, all the parameters of one gather in one batched transport call; ``partition(has_been_updated=True)`` (writing modified values back
-  into the shards) waits for every owner before returning;
+  from the owners' windows, all the parameters of one gather in one batched transport call;
+  ``partition(has_been_updated=True)`` (writing modified values back into the shards) waits for every
+  owner before returning;
 * the coordinator's trace-consistency check (``assert_ints_same_as_other_ranks`` in
   ``reset_step``, broadcasts at the start of forwards) is skipped for ODC coordinators only: with
   ODC each rank keeps its own trace, and ranks may legitimately run different modules. The gate that

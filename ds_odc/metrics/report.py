@@ -10,7 +10,7 @@ engine they are also where a rank waits for slower ones).
 (0.8, 0.0)
 >>> r.log_line()
 'step 3 rank 0 | wall 2.000s busy 80.0% | 2 micro-batches compute 1.500s gather 0.100s reduce 0.100s step-wait 0.200s optimizer 0.100s'
-"""
+"""  # noqa: E501 - a doctest's expected output is one line
 from __future__ import annotations
 
 import dataclasses

@@ -53,7 +53,8 @@ def both_loops():
                                           config=config(stage))
         params = []
         records = example.train(engine, STEPS, mode, ROLLOUTS, MAX_TOKEN_LEN,
-                                on_step=lambda step, record: params.append(full_params(engine)))
+                                on_step=lambda step, record, params=params, engine=engine:
+                                params.append(full_params(engine)))
         runs[mode] = {"engine": type(engine).__name__, "records": records, "params": params}
         engine.destroy()
     return runs

@@ -82,7 +82,8 @@ NAMES = ("init", "_lazy_init", "is_available", "device_count", "current_device",
 HARMLESS_UNDER_NVML = ("is_available", "device_count")
 def recorder(name, original):
     def wrapped(*args, **kwargs):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "importlib" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "importlib" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
         calls.append({"call": f"torch.cuda.{name} from {where}", "harmless": nvml and name in HARMLESS_UNDER_NVML})

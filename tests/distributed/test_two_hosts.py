@@ -241,7 +241,7 @@ def test_per_rank_memory_window_and_accumulator_over_the_node_optimizer_state_ov
     exp_avg, exp_avg_sq) 1/world of the trainable parameters, as in ZeRO-3."""
     for result in cases["memory"]:
         world, local, nodes = result["world"], result["local_world"], result["world"] // result["local_world"]
-        shard = lambda numel: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
+        shard = lambda numel, world=world: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
         trainable = sum(shard(n) for n in result["trainable"])
         frozen = sum(shard(n) for n in result["frozen"])
         assert result["window_bytes"] == 2 * nodes * (trainable + frozen), result
@@ -335,7 +335,8 @@ def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):
         (run_dir / "ds_config.json").write_text(json.dumps(config))
         port = str(next(_ports))
         argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
-                  "--master_addr", hosts.master_addr, "--master_port", port, os.path.join("examples", "hf_trainer_sft.py"),
+                  "--master_addr", hosts.master_addr, "--master_port", port,
+                  os.path.join("examples", "hf_trainer_sft.py"),
                   "--steps", "4", "--ds_config", str(run_dir / "ds_config.json"), "--output_dir", str(run_dir / "out")]
                  for i in range(2)]
         results = hosts.run_on_both(argvs, timeout=240)

@@ -155,7 +155,8 @@ def test_under_sequence_parallelism_the_ranks_of_a_group_get_the_same_micro_batc
     ranks 2 and 3 group 1's, and the epoch is covered once per group."""
     lengths = long_tailed(40, 512, seed=2)
     kw = dict(samples_per_rank=4, token_cap=512, seed=3)
-    with_sp = [list(BalancedBatchSampler(lengths, world_size=4, rank=r, sequence_parallel_size=2, **kw)) for r in range(4)]
+    with_sp = [list(BalancedBatchSampler(lengths, world_size=4, rank=r, sequence_parallel_size=2, **kw))
+               for r in range(4)]
     per_group = [list(BalancedBatchSampler(lengths, world_size=2, rank=g, **kw)) for g in range(2)]
     assert with_sp == [per_group[0], per_group[0], per_group[1], per_group[1]]
     assert sorted(i for group in per_group for batch in group for i in batch) == list(range(40))

@@ -17,7 +17,8 @@ def test_canonicalize_rewrites_in_place_and_is_idempotent():
 
 
 def test_other_stages_are_left_alone():
-    for cfg in ({"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}, {}, {"zero_optimization": True}):
+    for cfg in ({"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}, {},
+                {"zero_optimization": True}):
         before = copy.deepcopy(cfg)
         assert canonicalize(cfg) is None and cfg == before and not is_odc_config(cfg)
 
