@@ -14,7 +14,6 @@ engine they are also where a rank waits for slower ones).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Iterable, Sequence
 
 
@@ -76,7 +75,3 @@ def step_line(reports_of_one_step: Sequence[StepReport], with_step: bool = True)
     ranks = " | ".join(f"rank {r.rank} {100 * r.utilisation:.1f}% ({r.micro_batches} mb)" for r in ordered)
     line = f"utilisation {100 * utilisation(ordered):.1f}% | {ranks}"
     return f"step {ordered[0].step} | {line}" if with_step else line
-
-
-def median_wall(reports: Iterable[StepReport]) -> float:
-    return statistics.median(r.wall_s for r in reports)
