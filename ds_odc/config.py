@@ -24,10 +24,11 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ds_odc.errors import ODCConfigError
+from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF
 
-ODC_STAGE = "odc"
-MARKER_KEY = "odc"
-ENV_SWITCH = "DS_ODC_STAGE3"
+ODC_STAGE = ODC
+MARKER_KEY = ODC
+ENV_SWITCH = STAGE3_SWITCH
 ENV_OPTIONS = "DS_ODC_OPTIONS"
 
 
@@ -193,7 +194,7 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
     it), or None when the switch is off (unset, empty, "0", "off", "false", "no"). Any other value, or
     options that are not a JSON object, raise naming the variable."""
     value = environ.get(ENV_SWITCH, "").strip()
-    if value.lower() in ("", "0", "off", "false", "no"):
+    if value.lower() in SWITCH_OFF:
         return None
     if value.lower() != ODC_STAGE:
         raise ODCConfigError(f"{ENV_SWITCH}={value!r}: set it to \"odc\" (every ZeRO-3 engine of the job then runs on "
