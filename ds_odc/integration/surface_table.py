@@ -354,8 +354,11 @@ class ProcessWide:
     where: str
 
 
-#: Every process-wide effect of ds_odc. Each replacement delegates unchanged to the original for anything
-#: that is not an ODC job; the scoped swaps last one call and are restored on every exit path.
+#: Every process-wide effect of ds_odc, and every replacement it makes on objects it does not own (parameters,
+#: DeepSpeed's coordinators and optimizers, an engine ``ds_odc.metrics.attach`` is given). Each replacement
+#: delegates unchanged to the original for anything that is not an ODC job; the scoped swaps last one call and
+#: are restored on every exit path; the others are undone by ``destroy()`` or when the process ends, as stated.
+#: Each is made through ``patching.py`` (``tests/unit/test_patching.py`` holds every file that patches to a line).
 PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("deepspeed.initialize replaced", "while ds_odc is registered (import ds_odc, or autoload)",
                 "the one entry every launcher, accelerate and the HF Trainer go through; configs without the odc "
@@ -372,6 +375,23 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("partitioned_param_coordinator.assert_ints_same_as_other_ranks gated",
                 "while ODC engines' parameter coordinators exist", "only ODC coordinators skip the trace check; "
                 "every other coordinator's call goes to the original", _PARAMS),
+    ProcessWide("an ODC engine's parameter coordinator: reset_step replaced by one that skips the trace check",
+                "from the engine's build to its destroy()", "ranks of an ODC job keep their own trace; the "
+                "instance attribute reaches this coordinator only", _PARAMS),
+    ProcessWide("each partitioned parameter's all_gather, all_gather_coalesced and partition closures replaced "
+                "by pulls", "from an ODC engine's build to its destroy() (ZeRO-3's closures put back)",
+                "zero.Init attaches these closures to every parameter, and they are the only way the coordinator, "
+                "GatheredParameters and the persistent-parameter refresh gather", _PARAMS),
+    ProcessWide("the step recorder's hooks on one engine: its forward, backward, step and destroy, its optimizer's "
+                "reduce, norm, overflow and post-step methods, its coordinator's fetch_sub_module, its protocol's "
+                "round", "from the recorder's attach (an ODC engine's build, or ds_odc.metrics.attach) to the "
+                "engine's destroy()", "the recorder listens where ZeRO-3 works, on that engine's objects only "
+                "(no class is patched)", _METRICS),
+    ProcessWide("SIGTERM, SIGINT and SIGHUP handlers: first unlink the files this rank created, then the previous "
+                "handler (or the default action)", "while a node's windows are allocated, main thread only; the "
+                "previous handlers are put back on every exit, and a signal the process ignores stays ignored",
+                "a rank stopped while allocating must leave nothing in /dev/shm (after allocation the files are "
+                "already unlinked)", "ds_odc/comm/segments.py"),
     ProcessWide("accelerate's HfDeepSpeedConfig.set_stage_and_offload replaced", "once accelerate.utils.deepspeed is "
                 "imported (by the autoload's guard before ds_odc is imported)", "the one reader from which "
                 "transformers and accelerate learn the stage: a config mentioning odc is canonicalised in place (stage "
@@ -380,6 +400,16 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "transformers.trainer is imported (never in a job that does not use ODC)", "the only place every "
                 "Trainer passes through; it binds ODC behaviour on the instances whose config asks for it, and leaves "
                 "the class and every other Trainer exactly as transformers has them", _TRAINER),
+    ProcessWide("methods bound on one Trainer instance whose config asks for odc: train (the inference engine "
+                "released first), and with the balance block the slot behaviours (get_train_dataloader, "
+                "get_batch_samples, training_step, ...); under SP its accelerator's deepspeed_ulysses_dl_adapter",
+                "that Trainer's life", "the class and every other Trainer stay as transformers and accelerate have "
+                "them; each bound method delegates to the class's own", f"{_TRAINER}, {_BALANCE}, "
+                "ds_odc/integration/hf_sequence_parallel.py"),
+    ProcessWide("a balanced Trainer's args.average_tokens_across_devices, and its accelerator's gather and "
+                "gather_for_metrics, swapped", "one call (the loss-token count; one balanced micro-batch)",
+                "the Trainer's own count without its per-rank gather; a gather per micro-batch cannot be "
+                "collective when ranks run different counts", _BALANCE),
     ProcessWide("ACCELERATE_DEEPSPEED_ZERO_STAGE=odc rewritten to 3, with DS_ODC_STAGE3=odc set",
                 "the process and its children (only when the variable says odc)", "accelerate calls int() on it; "
                 "axolotl exports there the stage it is given", "ds_odc_import_hooks.py (at interpreter start by "
