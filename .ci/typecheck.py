@@ -4,7 +4,7 @@
 * elsewhere at most ``--baseline`` errors: the count when the check was introduced. Lower the baseline
   (Makefile, ``MYPY_BASELINE``) when a change fixes some; a change that adds one fails here.
 
-    python .ci/typecheck.py --baseline 81 --clean ds_odc/balance/ ds_odc/activations/
+    python .ci/typecheck.py --baseline 80 --clean ds_odc/balance/ ds_odc/activations/
 """
 from __future__ import annotations
 

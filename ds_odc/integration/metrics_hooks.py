@@ -15,6 +15,8 @@ class is patched, so other engines in the process are untouched). The hooks are 
 """
 from __future__ import annotations
 
+import functools
+
 from deepspeed.utils import logger
 
 from ds_odc.integration.patching import PatchSet
@@ -47,7 +49,7 @@ def attach_recorder(engine, log_interval: int = 0) -> StepRecorder:
                        ("_get_norm_groups", "step_wait"), ("_post_step", "gather"),
                        ("_pull_released_persistent_params", "gather")):
         if hasattr(optimizer, name):
-            hooks.replace(optimizer, name, lambda call, kind=kind: _spanned(recorder, kind, call))
+            hooks.replace(optimizer, name, functools.partial(_spanned, recorder, kind))
     runtime = getattr(optimizer, "odc", None)
     if runtime is not None:
         hooks.replace(runtime.protocol, "round", lambda call: _spanned(recorder, "step_wait", call))

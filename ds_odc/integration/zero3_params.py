@@ -122,11 +122,14 @@ def install_pulls(runtime, params) -> None:
     pull_coalesced = functools.partial(_pull_coalesced, runtime)
     for param in params:
         _pulls.undo(param)  # another engine's pulls (the same parameters wrapped again): ZeRO-3's closures back
-        _pulls.replace(param, "all_gather_coalesced", lambda _: pull_coalesced, wraps=False)
-        _pulls.replace(param, "all_gather", lambda _, param=param: _make_pull_all_gather(runtime, param),
-                       wraps=False)
-        _pulls.replace(param, "partition", lambda partition: _make_publishing_partition(runtime, partition),
-                       wraps=False)
+        _pulls.replace(param, "all_gather_coalesced", _instead(pull_coalesced), wraps=False)
+        _pulls.replace(param, "all_gather", _instead(_make_pull_all_gather(runtime, param)), wraps=False)
+        _pulls.replace(param, "partition", functools.partial(_make_publishing_partition, runtime), wraps=False)
+
+
+def _instead(replacement):
+    """A ``make`` for :meth:`PatchSet.replace` whose replacement does not call the original."""
+    return lambda _original: replacement
 
 
 def uninstall_pulls(params) -> None:
