@@ -2,6 +2,7 @@
 # make test : set up .venv if needed, then run the whole test suite
 # make test-unit : the seconds-long loop (tests/unit: no processes spawned)
 # make lint / make typecheck : ruff and mypy, with the settings in pyproject.toml (CI runs both before the tests)
+# make schema : regenerate config_schemas/odc.schema.json and docs/options.md from ds_odc/config.py
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
 # JIT-built ops (DeepSpeed's CPU comm op, ds_odc's CUDA op) go into this checkout's venv: a build of
