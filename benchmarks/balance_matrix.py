@@ -306,14 +306,16 @@ def main():
         plot_timelines(timeline_runs, png, "2 CPU ranks, LongAlign-like lengths (1/32 scale), 4 samples per rank")
     command = "python benchmarks/balance_matrix.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
     section = markdown(rows, cost_model, command, overhead)
-    if timeline_runs:
+    results_section = section
+    if timeline_runs:  # the image linked relative to each page that shows it
         section += f"\n\n![per-rank timelines]({os.path.relpath(png, os.path.dirname(args.docs))})"
+        results_section += f"\n\n![per-rank timelines]({os.path.relpath(png, args.results)})"
     with open(os.path.join(args.results, "balance_matrix.json"), "w") as out:
         json.dump({"cost_model": {"quadratic": cost_model.quadratic, "linear": cost_model.linear,
                                   "per_micro_batch": cost_model.per_micro_batch},
                    "comm": measured_comm(rows), "runs": rows, "metrics_overhead": overhead}, out, indent=1)
     with open(os.path.join(args.results, "balance_matrix.md"), "w") as out:
-        out.write(section + "\n")
+        out.write(results_section + "\n")
     if writes_docs:
         update_docs(args.docs, section)
     print(section)

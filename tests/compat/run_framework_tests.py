@@ -36,7 +36,7 @@ PROBE_DIR = os.path.join(SCRIPTS, "probe")
 STUBS_DIR = os.path.join(SCRIPTS, "stubs")
 TORCH = "torch==2.13.0"
 DEEPSPEED = "deepspeed==0.19.8"
-TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (README, Numerics)
+TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (docs/normalisation.md, Numerics)
 WEIGHT_TOLERANCE = 1e-3  # |diff| of per-tensor sums of saved weights (sums of up to ~25k fp32 values)
 
 

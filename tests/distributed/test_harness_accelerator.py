@@ -1,5 +1,5 @@
 """The harness gives each rank the accelerator and backend it asks for, and never touches CUDA before a
-rank does (issue 18, items 1, 5 and 8).
+rank does (what a GPU run of the suite needs).
 
 DeepSpeed fixes its accelerator when it is first imported. The forkserver imports it once with the CPU
 accelerator, so a run that names another one must start fresh interpreters that import nothing before

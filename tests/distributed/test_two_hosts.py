@@ -235,7 +235,7 @@ def test_collectives_per_step_constant_across_nodes_and_none_in_forward_backward
 
 
 def test_per_rank_memory_window_and_accumulator_over_the_node_optimizer_state_over_the_job(cases):
-    """The README's per-rank bytes, against what each rank allocated (bf16 model, Adam): the window
+    """The per-rank bytes of docs/memory.md, against what each rank allocated (bf16 model, Adam): the window
     holds every parameter's shard of each rank with its local rank (1/local_world of the model, in
     bf16), the accumulator the same for trainable ones in fp32, the optimizer state (fp32 master,
     exp_avg, exp_avg_sq) 1/world of the trainable parameters, as in ZeRO-3."""

@@ -1,6 +1,6 @@
 """ZeRO-3's API contracts hold on ODC: the same script on ``"stage": 3`` and ``"stage": "odc"``
 observes the same values (2 ranks, real engines). Between backward and step the reads are
-collective on ODC (a gradient fence), as they are in ZeRO-3; see the README's "ZeRO-3 APIs"."""
+collective on ODC (a gradient fence), as they are in ZeRO-3; see "ZeRO-3 APIs" in docs/frameworks.md."""
 import pytest
 import torch
 
