@@ -1,13 +1,20 @@
 # make demo : set up .venv if needed, then train the example causal LM on 2 CPU ranks with "stage": "odc"
 # make test : set up .venv if needed, then run the whole test suite
+# make test-unit : the seconds-long loop (tests/unit: no processes spawned)
+# make lint / make typecheck : ruff and mypy, with the settings in pyproject.toml (CI runs both before the tests)
+# make schema : regenerate config_schemas/odc.schema.json and docs/options.md from ds_odc/config.py
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
 # JIT-built ops (DeepSpeed's CPU comm op, ds_odc's CUDA op) go into this checkout's venv: a build of
 # another checkout, or the lock file a killed build leaves in ~/.cache, cannot block or clash with it.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 STEPS ?= 100
+# mypy: these packages have no error; the rest of ds_odc/ has at most MYPY_BASELINE (81 when the check was
+# introduced, 88 in all before balance/ and activations/ were cleaned). Lower it when you fix some; never raise it.
+MYPY_CLEAN := ds_odc/balance/ ds_odc/activations/
+MYPY_BASELINE := 80
 
-.PHONY: venv demo test schema
+.PHONY: venv demo test test-unit lint typecheck schema
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -17,6 +24,15 @@ demo: venv
 
 test: venv
 	.venv/bin/python -m pytest tests
+
+test-unit: venv
+	.venv/bin/python -m pytest tests/unit
+
+lint: venv
+	.venv/bin/ruff check .
+
+typecheck: venv
+	.venv/bin/python .ci/typecheck.py --baseline $(MYPY_BASELINE) --clean $(MYPY_CLEAN)
 
 schema: venv
 	.venv/bin/python -m ds_odc.config_schema

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ds_odc_import_hooks import ACCELERATE_STAGE, OFF_SWITCH, translate_accelerate_stage, when_imported
+from ds_odc_import_hooks import ACCELERATE_STAGE, OFF_SWITCH, asks_for_odc, translate_accelerate_stage, when_imported
 
 ENV_VAR = OFF_SWITCH
 _OFF_VALUES = ("0", "false", "no", "off")
@@ -40,17 +40,6 @@ def _import_ds_odc(_module=None) -> None:
     import ds_odc  # noqa: F401  registers the "odc" stage (a no-op while ds_odc itself is importing)
 
 
-def _asks_for_odc(config) -> bool:
-    """A ds_config that asks for the odc stage, as ds_odc reads it (``ds_odc.config``): ``"stage": "odc"``, an
-    odc block (top level or under ``zero_optimization``), or stage 3 with ``DS_ODC_STAGE3=odc``."""
-    if not isinstance(config, dict):
-        return False
-    zero = config.get("zero_optimization")
-    zero = zero if isinstance(zero, dict) else {}
-    switch = os.environ.get("DS_ODC_STAGE3", "").strip().lower() == "odc"
-    return zero.get("stage") == "odc" or "odc" in config or "odc" in zero or (switch and zero.get("stage") in (3, "3"))
-
-
 def _guard_hf_deepspeed_config(module) -> None:
     """Make ``HfDeepSpeedConfig`` import ds_odc when it meets an "odc" config (cheap otherwise)."""
     if "ds_odc" in sys.modules:
@@ -62,7 +51,7 @@ def _guard_hf_deepspeed_config(module) -> None:
 
     def set_stage_and_offload(self):
         config = getattr(self, "config", None)
-        if _asks_for_odc(config):
+        if asks_for_odc(config):
             _import_ds_odc()  # installs ds_odc.integration.hf's patch in place of this guard, for later calls
             from ds_odc.integration.hf import read_as_accelerate
 

@@ -1,5 +1,6 @@
 """What ``ds_odc_autoload`` and ds_odc share, standard library only: post-import hooks (run a callback
-once a module has finished importing), and reading ``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc``.
+once a module has finished importing), reading ``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc``, and whether a
+ds_config asks for the odc stage (:func:`asks_for_odc`).
 
 Why a top-level module of its own: ``ds_odc_autoload`` runs at the start of every interpreter of the
 environment and must not import ds_odc (seconds), while ds_odc itself patches transformers and
@@ -17,6 +18,34 @@ import warnings
 OFF_SWITCH = "DS_ODC_AUTOLOAD"
 #: Where accelerate reads the ZeRO stage from the environment (and axolotl exports the stage it is given).
 ACCELERATE_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
+#: ds_odc's environment switch (``ds_odc.config.ENV_SWITCH``): ``DS_ODC_STAGE3=odc`` makes every stage-3
+#: config ask for the odc stage.
+STAGE3_SWITCH = "DS_ODC_STAGE3"
+#: Values that leave the switch off.
+SWITCH_OFF = ("", "0", "off", "false", "no")
+#: The stage value and the options block that ask for ODC (``ds_odc.config.ODC_STAGE`` and ``MARKER_KEY``).
+ODC = "odc"
+
+
+def asks_for_odc(config, environ=os.environ) -> bool:
+    """Whether a ds_config asks for the odc stage, as :func:`ds_odc.config.canonicalize` reads it: ``"stage":
+    "odc"``, an ``"odc"`` block (under ``zero_optimization``: the marker form; at the top level: the canonical
+    form), or stage 3 while ``DS_ODC_STAGE3`` is on. The one answer for the autoload's guard (which must not
+    import ds_odc to ask) and for ds_odc's accelerate patch; ``tests/unit/test_autoload_hooks.py`` holds it to
+    ``canonicalize``. A switch set to anything but "odc" or an off value counts as on: such a config goes to
+    ds_odc, which refuses the value by name.
+
+    >>> marker, plain = {"zero_optimization": {"stage": 3, "odc": {}}}, {"zero_optimization": {"stage": 3}}
+    >>> asks_for_odc(marker), asks_for_odc(plain, environ={}), asks_for_odc(plain, environ={"DS_ODC_STAGE3": "odc"})
+    (True, False, True)
+    """
+    if not isinstance(config, dict):
+        return False
+    zero = config.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    if zero.get("stage") == ODC or ODC in config or ODC in zero:
+        return True
+    return zero.get("stage") in (3, "3") and environ.get(STAGE3_SWITCH, "").strip().lower() not in SWITCH_OFF
 
 
 def translate_accelerate_stage(environ=os.environ) -> None:
@@ -25,7 +54,7 @@ def translate_accelerate_stage(environ=os.environ) -> None:
     process and the processes it starts. Any other value is left alone."""
     if environ.get(ACCELERATE_STAGE, "").strip().lower() == "odc":
         environ[ACCELERATE_STAGE] = "3"
-        environ.setdefault("DS_ODC_STAGE3", "odc")
+        environ.setdefault(STAGE3_SWITCH, ODC)
 
 #: module name -> callbacks still waiting for that module to finish importing.
 _waiting: dict = {}

@@ -87,6 +87,7 @@ setup(
         "pydantic>=2.0",
         "ninja",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", *BENCH, *HF_PINS, *TRL_PINS], "examples": ["tqdm"],
+    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", "ruff==0.17.6", "mypy==2.4.1", *BENCH, *HF_PINS,
+                             *TRL_PINS], "examples": ["tqdm"],
                     "hf": HF_PINS, "bench": BENCH},
 )

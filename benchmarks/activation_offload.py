@@ -43,8 +43,9 @@ SECTION = "## Activation offload: bytes routed and copy cost per token"
 
 def _naive_bytes(model, batch) -> int:
     """What a hook that copies every saved tensor (``save_on_cpu``) would move: storages counted once."""
-    from packed_lm import loss_sum
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from packed_lm import loss_sum
 
     seen, total = {}, [0]
 
@@ -82,6 +83,7 @@ def _time_copies(clock: list) -> None:
 
 def run_variant(rank: int, cell: dict) -> dict:
     import deepspeed
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     clock = [0.0]
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
     summary = (f"Profile after the {host['profile_tokens']}-token micro-batch: {host['bytes_per_token']:.0f} saved "
                f"bytes per token (parameters excluded); host copy probe {host['copy_rate'] / 1e9:.2f} GB/s; planned "
                f"budget {planned_budget:.3f} MiB; \"all\" pool capacity "
-               f"{host['pool']['capacity']} B = high-water {host['pool']['high_water']} B (the largest single offload).")
+               f"{host['pool']['capacity']} B = high-water {host['pool']['high_water']} B "
+               "(the largest single offload).")
     shortest = min(args.lengths)
     naive = {row["length"]: row["naive"] for row in results["off"]["rows"]}[shortest]
     moved = {row["length"]: row["moved"] for row in results["all"]["rows"]}[shortest]
@@ -216,11 +219,13 @@ def _write_docs(lines, summary, args) -> None:
         "" if args.lengths == [256, 512, 1024, 2048] else " --lengths " + " ".join(map(str, args.lengths)))
     body = "\n".join([
         SECTION, "",
-        f"`.venv/bin/python {command}` — one CPU rank (1 thread), PackedCausalLM dim {args.dim}, {args.layers} layers, one "
+        f"`.venv/bin/python {command}` — one CPU rank (1 thread), PackedCausalLM dim {args.dim}, "
+        f"{args.layers} layers, one "
         f"sample per micro-batch, median of {args.repeats} forward+backward passes. On CPU the copies are synchronous "
         "memcpy into the separate host pool, timed inside the hooks (copy µs/token: both ways, nothing overlaps on "
         "CPU); fwd+bwd times on this shared 2-core machine are noisy (±20%), so their ratio to off says little; a "
-        "naive hook (`save_on_cpu`) would move every saved storage, parameters included (ZeRO-3's gathered ones). The GPU "
+        "naive hook (`save_on_cpu`) would move every saved storage, parameters included (ZeRO-3's gathered ones). "
+        "The GPU "
         "measurements (peak memory and step time against sequence length, with `save_on_cpu` beside it) are "
         "`--device cuda`, **not run yet** (no GPU on this machine).", "",
         *lines, "", summary, ""])

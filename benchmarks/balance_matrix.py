@@ -56,8 +56,10 @@ def _ds_config(engine, metrics):
 
 def _run_cell(rank, cell):
     import deepspeed
+
     import ds_odc  # noqa: F401
     import ds_odc.metrics
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -98,7 +100,9 @@ def run_cell(cell, timeout_s=1800):
 # -- planning --------------------------------------------------------------------------------------
 def fit_cost_model(token_cap):
     """Time single-sample forward+backward of the benchmark's model here, at lengths up to the cap."""
-    from ds_odc.balance import fit_cost_model as fit, forward_backward_timer
+    from ds_odc.balance import fit_cost_model as fit
+    from ds_odc.balance import forward_backward_timer
+
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     torch.manual_seed(0)
@@ -155,7 +159,8 @@ def summarise(cell, results, measured_plans, measured_baseline):
             "plan_utilisation": _plan_utilisation(measured_plans, cell["engine"] == "zero3"),
             "micro_batches": [[len(rank) for rank in p.micro_batches] for p in measured_plans],
             "per_micro_batch_s": _per_micro_batch(results),
-            "steps": [{"lengths": list(p.lengths), "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
+            "steps": [{"lengths": list(p.lengths),
+                       "micro_batches": [[list(b) for b in rank] for rank in p.micro_batches]}
                       for p in measured_plans]}
 
 
@@ -197,7 +202,8 @@ def markdown(rows, cost_model, command, overhead):
              f"tokens): {cost_model.quadratic:.3e}·s² + {cost_model.linear:.3e}·s + {cost_model.per_micro_batch:.3e} "
              "s per micro-batch.", "",
              "| workload | samples/rank | method | samples/s | vs ZeRO-3+LB-Micro | balance bound | % of bound "
-             "| utilisation r0 / r1 (plan ceiling) | peak RSS MiB r0 / r1 | micro-batches per rank (first measured step) |",
+             "| utilisation r0 / r1 (plan ceiling) | peak RSS MiB r0 / r1 "
+             "| micro-batches per rank (first measured step) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {(r["workload"], r["samples_per_rank"]): r for r in rows
                 if (r["engine"], r["policy"]) == ("zero3", "lb-micro")}
@@ -300,14 +306,16 @@ def main():
         plot_timelines(timeline_runs, png, "2 CPU ranks, LongAlign-like lengths (1/32 scale), 4 samples per rank")
     command = "python benchmarks/balance_matrix.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
     section = markdown(rows, cost_model, command, overhead)
-    if timeline_runs:
+    results_section = section
+    if timeline_runs:  # the image linked relative to each page that shows it
         section += f"\n\n![per-rank timelines]({os.path.relpath(png, os.path.dirname(args.docs))})"
+        results_section += f"\n\n![per-rank timelines]({os.path.relpath(png, args.results)})"
     with open(os.path.join(args.results, "balance_matrix.json"), "w") as out:
         json.dump({"cost_model": {"quadratic": cost_model.quadratic, "linear": cost_model.linear,
                                   "per_micro_batch": cost_model.per_micro_batch},
                    "comm": measured_comm(rows), "runs": rows, "metrics_overhead": overhead}, out, indent=1)
     with open(os.path.join(args.results, "balance_matrix.md"), "w") as out:
-        out.write(section + "\n")
+        out.write(results_section + "\n")
     if writes_docs:
         update_docs(args.docs, section)
     print(section)

@@ -70,7 +70,8 @@ def compare(runs: int, forwards: int) -> str:
     for _ in range(runs):
         for stage in ("odc", "3"):
             done = subprocess.run([sys.executable, __file__, "--stage", stage, "--forwards", str(forwards)],
-                                  capture_output=True, text=True, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                                  capture_output=True, text=True, check=True,
+                                  env={**os.environ, "DS_ACCELERATOR": "cpu"})
             line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
             figures[stage].append(json.loads(line[len("RESULT "):]))
     rows = ["| stage | engine | initialize (s) | forward (s) | window per rank |", "| --- | --- | --- | --- | --- |"]

@@ -148,7 +148,8 @@ def rank_main(hiddens, layers, iters, name="cuda_ipc"):
 def markdown(figures, command) -> str:
     lines = [f"Batched vs per-piece transfers ({figures['transport']}), {figures['world']} ranks on "
              f"{figures['gpus']} x {figures['device']}; command: `{command}`", "",
-             "| hidden | tensors | pieces | MiB | kind | per piece: device ms | issue ms | batched: device ms | issue ms "
+             "| hidden | tensors | pieces | MiB | kind | per piece: device ms | issue ms "
+             "| batched: device ms | issue ms "
              "| per piece / batched |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape in figures["shapes"]:
         for kind in ("pull", "push"):

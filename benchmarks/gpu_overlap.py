@@ -75,9 +75,10 @@ def rank_main(name, dim, layers, heads, tokens, micro_batches, steps, warmup):
     import deepspeed
     import torch
     import torch.distributed as tdist
-    from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     from tests.distributed.transports import CASES
+
+    from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
     device = CASES[name].device()
     cuda = device.type == "cuda"

@@ -86,13 +86,13 @@ def _bandwidth_rows(transport, args, peer_gpu):
         nbytes = size * MIB
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        copy = _gbps(nbytes, _timed(lambda: dst.copy_(src), args.iters))
+        copy = _gbps(nbytes, _timed(lambda dst=dst, src=src: dst.copy_(src), args.iters))
         peer_copy = None
         if peer_gpu is not None:
             remote = torch.empty(nbytes, dtype=torch.uint8, device=peer_gpu)
-            peer_copy = _gbps(nbytes, _timed(lambda: dst.copy_(remote), args.iters))
+            peer_copy = _gbps(nbytes, _timed(lambda dst=dst, remote=remote: dst.copy_(remote), args.iters))
         out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-        pull = _gbps(nbytes, _timed(lambda: transport.read(1, 0, out), args.iters))
+        pull = _gbps(nbytes, _timed(lambda out=out: transport.read(1, 0, out), args.iters))
         numel = nbytes // 4
         grads = {"fp32": torch.randn(numel, device=device), "bf16": torch.randn(numel, device=device).bfloat16()}
         for blocks in args.push_blocks:

@@ -86,8 +86,10 @@ def _ds_config(method: str) -> dict:
 
 
 def _run_cell(rank: int, cell: dict) -> dict:
-    import ds_odc  # noqa: F401
+    import ds_odc  # noqa: F401  registers the odc stage before transformers is imported
     import ds_odc.metrics
+
+    # isort: split
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from ds_odc.config import BalanceConfig

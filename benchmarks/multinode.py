@@ -181,7 +181,7 @@ def markdown(rows: list, command: str) -> str:
     cells = {(r.get("round", 1), r["link_mbit"], r["samples_per_rank"], r["engine"], r["policy"]): r for r in rows}
     for link, b in sorted({(r["link_mbit"], r["samples_per_rank"]) for r in rows}):
         def of(method, rnd):
-            return cells[(rnd, link, b) + method]
+            return cells[(rnd, link, b) + method]  # noqa: B023 - called within this iteration only
 
         def ratio(method):
             values = [of(method, rnd)["samples_per_s"] / of(("zero3", "lb-micro"), rnd)["samples_per_s"]

@@ -31,7 +31,8 @@ def main():
     print("| --- | --- | --- | --- |")
     for name, world, gas, options in CASES:
         runs = run_ranks(train_pair, world, [("odc", options), (3, options)], 10, gas)  # "odc" key: ODC only
-        losses = max(abs(a - b) / max(abs(b), 1e-12) for odc, zero3 in runs for a, b in zip(odc["losses"], zero3["losses"]))
+        losses = max(abs(a - b) / max(abs(b), 1e-12)
+                     for odc, zero3 in runs for a, b in zip(odc["losses"], zero3["losses"]))
         odc, zero3 = runs[0]
         grads = max(worst_rel_diff(odc["grads"][s], zero3["grads"][s]) for s in range(10))
         params = max(worst_rel_diff(odc["params"][s], zero3["params"][s]) for s in range(10))

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from ds_odc.balance import CostModel, plan_minibatch  # noqa: E402
+
 from packed_lm import longalign_like_lengths  # noqa: E402
 
 

@@ -8,10 +8,13 @@ groups run different counts: LB-Mini, planned with the same cost model (fitted h
 
 One invocation runs one method and prints one JSON line: samples/s over the measured steps (from a barrier
 before them to one after), the utilisation of each rank (its forward/backward seconds over the measured wall),
-and the plan's micro-batch counts per group. Pair two with farm-bench for the speed claim:
+and the plan's micro-batch counts per group. For a speed claim, pair the two methods: run them in turn,
+several times, on the same machine, and compare the medians, e.g.
 
-    farm-bench -n 3 --timeout 1800 -- .venv/bin/python benchmarks/sequence_parallel.py --method odc-lb-mini \\
-        --vs '.venv/bin/python benchmarks/sequence_parallel.py --method zero3-lb-micro'
+    for i in 1 2 3; do
+        .venv/bin/python benchmarks/sequence_parallel.py --method odc-lb-mini
+        .venv/bin/python benchmarks/sequence_parallel.py --method zero3-lb-micro
+    done
 
 (4 ranks share this machine's 2 cores: ratios are indicative, absolute rates are not a GPU's.)
 """
@@ -45,6 +48,7 @@ def _model():
 
 def _plans(policy: str, cost_model):
     from ds_odc.balance import plan_minibatch
+
     from packed_lm import longalign_like_lengths
 
     size = SAMPLES_PER_GROUP * (WORLD // SP)

@@ -26,11 +26,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.sim import MEASURED_COMM_KEYS, measured_preset, project, replay_run  # noqa: E402
+from benchmarks.sim.calibrate import calibrate, held_out_errors  # noqa: E402
+from benchmarks.sim.presets import INTER_NODE_LINKS, golden_preset, hierarchical_preset  # noqa: E402
 from ds_odc.balance import CostModel  # noqa: E402
 from ds_odc.errors import ODCError  # noqa: E402
-from benchmarks.sim import MEASURED_COMM_KEYS, measured_preset, project, replay_run  # noqa: E402
-from benchmarks.sim.presets import INTER_NODE_LINKS, golden_preset, hierarchical_preset  # noqa: E402
-from benchmarks.sim.calibrate import calibrate, held_out_errors  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "results", "balance_matrix.json")
 DEFAULT_OUT = os.path.join(HERE, "results", "sim_projection.md")

@@ -29,8 +29,10 @@ def main() -> None:
         p = project_sp(world, sp)
         base, micro, mini = (p.step_seconds[k] for k in (("collective", "lb-micro"), ("odc", "lb-micro"),
                                                          ("odc", "lb-mini")))
-        rows.append(f"| {world} | {sp} | {world // sp} | {base:.1f} | {micro:.1f} ({p.speedup('odc', 'lb-micro'):+.0%}) "
-                    f"| {mini:.1f} ({p.speedup('odc', 'lb-mini'):+.0%}) | {p.utilisation[('collective', 'lb-micro')]:.2f}"
+        rows.append(f"| {world} | {sp} | {world // sp} | {base:.1f} "
+                    f"| {micro:.1f} ({p.speedup('odc', 'lb-micro'):+.0%}) "
+                    f"| {mini:.1f} ({p.speedup('odc', 'lb-mini'):+.0%}) "
+                    f"| {p.utilisation[('collective', 'lb-micro')]:.2f}"
                     f" / {p.utilisation[('odc', 'lb-mini')]:.2f} | {1000 * all_to_all_seconds_per_token(sp):.4f} |")
     text = "\n".join(["# Sequence parallelism: projected step time (simulator)", "", __doc__.strip().splitlines()[0],
                       "", *rows, "", ALST, ""])

@@ -24,7 +24,8 @@ CASES = {"balanced": (256, 256), "skewed": (64, 448)}
 
 
 def _load_model_class():
-    spec = importlib.util.spec_from_file_location("train_causal_lm", os.path.join(ROOT, "examples", "train_causal_lm.py"))
+    spec = importlib.util.spec_from_file_location("train_causal_lm",
+                                                  os.path.join(ROOT, "examples", "train_causal_lm.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.TinyCausalLM
@@ -92,7 +93,8 @@ def main():
     if args.rank_main:
         rank_main(args.stage, args.case)
         return
-    print("| workload | engine | step time (median) | time ratio to ZeRO-3 | rank 0 fwd+bwd | rank 1 fwd+bwd | peak RSS r0 / r1 |")
+    print("| workload | engine | step time (median) | time ratio to ZeRO-3 | rank 0 fwd+bwd | rank 1 fwd+bwd "
+          "| peak RSS r0 / r1 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     port = 29600
     for case in CASES:

@@ -24,10 +24,11 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ds_odc.errors import ODCConfigError
+from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF
 
-ODC_STAGE = "odc"
-MARKER_KEY = "odc"
-ENV_SWITCH = "DS_ODC_STAGE3"
+ODC_STAGE = ODC
+MARKER_KEY = ODC
+ENV_SWITCH = STAGE3_SWITCH
 ENV_OPTIONS = "DS_ODC_OPTIONS"
 
 
@@ -58,7 +59,7 @@ class QuadraticCost(BaseModel):
 
 
 class BalanceConfig(BaseModel):
-    """The Hugging Face Trainer's micro-batches planned by ``ds_odc.balance`` (see README, "Balancing")."""
+    """The Hugging Face Trainer's micro-batches planned by ``ds_odc.balance`` (docs/balancing.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -90,7 +91,7 @@ class BalanceConfig(BaseModel):
 
 class ActivationOffloadConfig(BaseModel):
     """Saved activations copied to one host pool per micro-batch, as much as keeps the rest under a budget
-    (see README, "Activation offload")."""
+    (docs/activation_offload.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -107,7 +108,8 @@ class ActivationOffloadConfig(BaseModel):
 
 
 class ODCConfig(BaseModel):
-    """Options of the "odc" stage (``zero_optimization.odc`` in the ds_config)."""
+    """Options of the "odc" stage: written under ``zero_optimization.odc`` in the ds_config, moved to the
+    top-level ``"odc"`` block by :func:`canonicalize`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # strict: "5" or true is not 5.0
 
@@ -141,7 +143,7 @@ class ODCConfig(BaseModel):
     arrival order (bit-reproducible runs), for 4 more bytes per shard element."""
 
     loss_normalization: Literal["auto", "token"] = "auto"
-    """How accumulated gradients are normalised at the step (see README, "Normalisation").
+    """How accumulated gradients are normalised at the step (docs/normalisation.md).
     "auto": follow DeepSpeed's rules (mean over the global micro-batches for ``engine.backward(loss)``
     in managed mode; the caller's own scaling averaged over ranks otherwise), switching to per-token
     for micro-batches that report ``loss_tokens``. "token": every backward must report its token
@@ -149,7 +151,7 @@ class ODCConfig(BaseModel):
 
     metrics: bool = True
     """Record each rank's step timeline (compute per micro-batch, pull, push, step wait, optimizer;
-    see README, "Metrics"), available as ``engine.odc_metrics``. Costs two clock reads per module
+    docs/metrics.md), available as ``engine.odc_metrics``. Costs two clock reads per module
     fetch and per gradient bucket. Default true."""
 
     metrics_log_interval: int = Field(0, ge=0)
@@ -158,14 +160,14 @@ class ODCConfig(BaseModel):
 
     balance: Optional[BalanceConfig] = None
     """Plan the Hugging Face Trainer's micro-batches from the lengths of each step's samples
-    (``{"policy": "lb-mini", "token_cap": 65536, "cost_model": "tokens"}``; fields under balance.* below
-    and in README, "Balancing"). The Trainer then takes the same samples per step as without it, and each
+    (``{"policy": "lb-mini", "token_cap": 65536, "cost_model": "tokens"}``; its fields are balance.*, and
+    docs/balancing.md says how it works). The Trainer then takes the same samples per step as without it, and each
     rank runs its share as its own number of micro-batches. Default null: the Trainer's own batches."""
 
     activation_offload: Optional[ActivationOffloadConfig] = None
     """Offload saved activations of the micro-batches that exceed a device budget to one host pool
-    (``{"budget_mb": 2048, "mode": "all"}``; fields under activation_offload.* below and in README,
-    "Activation offload"). Default null: activations stay where autograd saves them."""
+    (``{"budget_mb": 2048, "mode": "all"}``; its fields are activation_offload.*, and
+    docs/activation_offload.md says how it works). Default null: activations stay where autograd saves them."""
 
     @field_validator("shm_dir")
     @classmethod
@@ -193,7 +195,7 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
     it), or None when the switch is off (unset, empty, "0", "off", "false", "no"). Any other value, or
     options that are not a JSON object, raise naming the variable."""
     value = environ.get(ENV_SWITCH, "").strip()
-    if value.lower() in ("", "0", "off", "false", "no"):
+    if value.lower() in SWITCH_OFF:
         return None
     if value.lower() != ODC_STAGE:
         raise ODCConfigError(f"{ENV_SWITCH}={value!r}: set it to \"odc\" (every ZeRO-3 engine of the job then runs on "
@@ -205,7 +207,8 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
         raise ODCConfigError(f"{ENV_OPTIONS}={raw!r} is not JSON ({err}); give the odc options as a JSON object, "
                              'e.g. {"timeout_s": 60}') from None
     if not isinstance(options, dict):
-        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, e.g. {{\"timeout_s\": 60}}")
+        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, "
+                             'e.g. {"timeout_s": 60}')
     return options
 
 
@@ -243,7 +246,8 @@ def _check_combinations(ds_config: dict) -> None:
                              "parallelism partitions ZeRO-3 over the data-parallel mesh only and is not supported on "
                              "the odc stage; use ALST's route instead (the mpu from UlyssesSPAttentionHF."
                              "register_with_transformers(...) passed to deepspeed.initialize, or accelerate's "
-                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave sequence_parallel_size out')
+                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave '
+                             "sequence_parallel_size out")
 
 
 #: Settings activation offload cannot compose with: (path, predicate of "in use", why).

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
+
 def find_ops_dir() -> Path:
     """The directory holding ``csrc/`` with the operators' sources: ``<package>/ops`` in an installed
     wheel, ``<repository>/ops`` in a checkout (or an editable install of one). When neither has them

@@ -3,9 +3,9 @@
 Sections: the versions of ds_odc and of what it integrates with; the transports (which are
 usable on this machine and, for the others, why not); the control plane's memory ordering
 (release/acquire through the ``ds_odc_atomics`` operator, the x86-64 fallback, or why neither);
-the compiled operators (built, buildable, or why not). It only inspects: nothing is compiled, no process group or window is created, and
-optional packages (transformers, accelerate) are looked up by their installed metadata rather than
-imported, so the report takes about as long as ``import ds_odc``.
+the compiled operators (built, buildable, or why not). It only inspects: nothing is compiled, no process group
+or window is created, and optional packages (transformers, accelerate) are looked up by their installed
+metadata rather than imported, so the report takes about as long as ``import ds_odc``.
 """
 from __future__ import annotations
 

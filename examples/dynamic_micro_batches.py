@@ -43,6 +43,7 @@ from deepspeed import comm as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ds_odc  # noqa: E402,F401  registers the "odc" stage
+
 from packed_lm import PackedCausalLM, loss_sum, make_sample, pack  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_odc.json")

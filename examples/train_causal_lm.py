@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ds_odc  # noqa: E402,F401  registers the "odc" stage
 from ds_odc.balance import BalancedBatchSampler, CostModel  # noqa: E402
 from ds_odc.metrics import step_line  # noqa: E402
+
 from packed_lm import PackedCausalLM, longalign_like_lengths, loss_sum, make_sample, pack  # noqa: E402
 
 SCALE = 128  # LongAlign's 64K-token cap becomes 512 tokens: a step takes a fraction of a second on a CPU
@@ -81,7 +82,8 @@ def main():
         if rank == 0:
             loss_per_token = sum(g[0] for g in gathered) / sum(g[1] for g in gathered)
             progress.set_postfix(loss=f"{loss_per_token:.3f}")
-            progress.write(f"step {step:3d} | loss/token {loss_per_token:.4f} | {step_line([g[2] for g in gathered], with_step=False)}")
+            utilisation = step_line([g[2] for g in gathered], with_step=False)
+            progress.write(f"step {step:3d} | loss/token {loss_per_token:.4f} | {utilisation}")
     engine.destroy()
 
 

@@ -20,12 +20,20 @@ costs to measured steps).
 >>> odc.step_seconds >= plan.odc_step_cost()
 True
 """
+from benchmarks.sim.calibrate import Calibration, calibrate, held_out_errors
 from benchmarks.sim.hardware import Hardware, Link, spread_over_peers
-from benchmarks.sim.presets import (GOLDEN_COST_MODEL, GOLDEN_SAMPLES_PER_RANK, GOLDEN_TOKEN_CAP, GOLDEN_WORLD_SIZE,
-                                MEASURED_COMM_KEYS, golden_preset, longalign_like_lengths, measured_preset)
+from benchmarks.sim.presets import (
+    GOLDEN_COST_MODEL,
+    GOLDEN_SAMPLES_PER_RANK,
+    GOLDEN_TOKEN_CAP,
+    GOLDEN_WORLD_SIZE,
+    MEASURED_COMM_KEYS,
+    golden_preset,
+    longalign_like_lengths,
+    measured_preset,
+)
 from benchmarks.sim.projection import ENGINE_SCHEMES, PROJECTED, Projection, plan_from_record, project, replay_run
 from benchmarks.sim.timeline import SCHEMES, StepResult, simulate_step
-from benchmarks.sim.calibrate import Calibration, calibrate, held_out_errors  # uses the above
 
 __all__ = ["Calibration", "ENGINE_SCHEMES", "GOLDEN_COST_MODEL", "GOLDEN_SAMPLES_PER_RANK", "GOLDEN_TOKEN_CAP",
            "GOLDEN_WORLD_SIZE", "Hardware", "Link", "MEASURED_COMM_KEYS", "PROJECTED", "Projection", "SCHEMES",

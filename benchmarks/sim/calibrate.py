@@ -22,12 +22,12 @@ import dataclasses
 import statistics
 from typing import Callable, Sequence
 
-from ds_odc.balance import CostModel, Plan
-from ds_odc.balance.cost import nonnegative_least_squares
-from ds_odc.errors import ODCError
 from benchmarks.sim.hardware import Hardware
 from benchmarks.sim.projection import ENGINE_SCHEMES, plan_from_record
 from benchmarks.sim.timeline import simulate_step
+from ds_odc.balance import CostModel, Plan
+from ds_odc.balance.cost import nonnegative_least_squares
+from ds_odc.errors import ODCError
 
 
 @dataclasses.dataclass(frozen=True)

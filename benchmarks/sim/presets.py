@@ -33,9 +33,9 @@ import dataclasses
 import math
 import random
 
+from benchmarks.sim.hardware import Hardware, Link, spread_over_peers
 from ds_odc.balance import CostModel
 from ds_odc.errors import ODCError
-from benchmarks.sim.hardware import Hardware, Link, spread_over_peers
 
 GOLDEN_COST_MODEL = CostModel.quadratic_linear(1.982122, 2.611821, length_unit=32000)
 """The paper's fitted cost of one 1.5B sample, in (assumed) A100 seconds."""

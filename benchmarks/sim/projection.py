@@ -11,11 +11,11 @@ import dataclasses
 import statistics
 from typing import Sequence
 
+from benchmarks.sim.hardware import Hardware
+from benchmarks.sim.presets import GOLDEN_COST_MODEL, GOLDEN_TOKEN_CAP, golden_preset, longalign_like_lengths
+from benchmarks.sim.timeline import simulate_step
 from ds_odc.balance import CostModel, Plan, plan_minibatch
 from ds_odc.errors import ODCError
-from benchmarks.sim.hardware import Hardware
-from benchmarks.sim.presets import (GOLDEN_COST_MODEL, GOLDEN_TOKEN_CAP, golden_preset, longalign_like_lengths)
-from benchmarks.sim.timeline import simulate_step
 
 ENGINE_SCHEMES = {"zero3": "collective", "odc": "odc"}
 """The benchmark's engine names and the scheme that models each."""

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_odc.balance import CostModel, plan_minibatch
-from ds_odc.errors import ODCError
 from benchmarks.sim.presets import GOLDEN_COST_MODEL, golden_preset, longalign_like_lengths
 from benchmarks.sim.projection import PROJECTED
 from benchmarks.sim.timeline import simulate_step
+from ds_odc.balance import CostModel, plan_minibatch
+from ds_odc.errors import ODCError
 
 HIDDEN = 1536  # the golden 1.5B model's hidden size
 LAYERS = 28

@@ -35,9 +35,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from benchmarks.sim.hardware import Hardware
 from ds_odc.balance import CostModel, Plan
 from ds_odc.errors import ODCError
-from benchmarks.sim.hardware import Hardware
 
 SCHEMES = ("collective", "odc")
 

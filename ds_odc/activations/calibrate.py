@@ -27,7 +27,8 @@ def measure_profile(run_forward: Callable[[], object], tokens: int, device, is_p
     dropped. Random number generators (CPU and, where used, CUDA) are restored afterwards."""
     if tokens < 1:
         raise ValueError(f"calibration needs a micro-batch with at least one token, got {tokens}")
-    sizes, kept = [], []
+    sizes: list[int] = []
+    kept: list[int] = []
     device = torch.device(device)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), \

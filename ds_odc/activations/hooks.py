@@ -121,7 +121,7 @@ class MicroBatchOffload:
                 self.stats.kept_bytes += storage.nbytes()
                 return tensor
         stored.uses += 1
-        return _Packed(stored, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return _Packed(stored, tensor.dtype, tensor.size(), tensor.stride(), int(tensor.storage_offset()))
 
     def _seen_before(self, storage, offloadable: bool) -> bool:
         """Whether this live storage was saved before in this micro-batch (in the same category); a new one is

@@ -11,9 +11,9 @@ since what comes back is copied into a fresh device allocation) and gives it bac
 (``Lease.release``). So the bytes in use are exactly the bytes offloaded. A lease may fill the whole buffer;
 should a micro-batch save more than its plan estimated (sizes that grow faster than its token count), the
 excess is spilled into host memory of its own (``PoolStats.spilled_bytes``) rather than kept on the device
-against the plan, and the buffer grows to that micro-batch's size once it is released. Should a second lease be asked for while one is alive (two forwards before a backward),
-it gets a buffer of its own for its lifetime: correct, but no longer bounded by the largest offload
-(``PoolStats.overflow_leases`` counts them).
+against the plan, and the buffer grows to that micro-batch's size once it is released. Should a second lease
+be asked for while one is alive (two forwards before a backward), it gets a buffer of its own for its
+lifetime: correct, but no longer bounded by the largest offload (``PoolStats.overflow_leases`` counts them).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+
 
 @dataclasses.dataclass
 class PoolStats:

@@ -224,8 +224,9 @@ class PackedPacker:
             # a rank with no sample (fewer samples than ranks) has no micro-batch: it must not block the loop
             attempt = [split_into(share, min(count, len(share)), self.lengths, self.costs, self.token_cap,
                                   self.order) if share else [] for share in shares]
-            if all(batches is not None for batches in attempt):
-                return attempt
+            complete = [batches for batches in attempt if batches is not None]
+            if len(complete) == len(attempt):
+                return complete
             count += 1
 
 

@@ -71,7 +71,7 @@ def _karmarkar_karp(costs, parts, equal_size, order):
     while len(heap) > 1:
         heavy = heapq.heappop(heap)[2]
         light = heapq.heappop(heap)[2]
-        push([(h[0] + l[0], (h[1], l[1])) for h, l in zip(heavy, reversed(light))])
+        push([(high[0] + low[0], (high[1], low[1])) for high, low in zip(heavy, reversed(light))])
     return [sorted(_flatten(part[1])) for part in heap[0][2]]
 
 
@@ -101,7 +101,8 @@ def refine(costs: Sequence[float], partition: list[list[int]], equal_size: bool 
     rounds = len(costs) if max_rounds is None else max_rounds
     for _ in range(rounds):
         heavy = max(range(len(parts)), key=lambda p: (sums[p], -p))
-        best = None  # (new heavy sum, other part, item out of heavy, item in from other or None)
+        # (new heavy sum, other part, item out of heavy, item in from other or None)
+        best: tuple[float, int, int, int | None] | None = None
         heavy_sorted = sorted(parts[heavy], key=lambda i: costs[i])
         heavy_costs = [costs[i] for i in heavy_sorted]
         for other in range(len(parts)):

@@ -42,7 +42,14 @@ from typing import Sequence
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.packing import (
-    Packer, check_lengths, check_padding, micro_batch_cost, micro_batch_tokens, packer_for, padded_length)
+    Packer,
+    check_lengths,
+    check_padding,
+    micro_batch_cost,
+    micro_batch_tokens,
+    packer_for,
+    padded_length,
+)
 from ds_odc.balance.partition import karmarkar_karp, refine
 from ds_odc.errors import ODCError
 
@@ -116,7 +123,8 @@ class Plan:
             for m, (batch, tokens) in enumerate(zip(batches, tokens_of)):
                 if not batch or tokens > self.token_cap:
                     raise ODCError(f"{self.policy} plan: rank {rank} micro-batch {m} has {len(batch)} samples, "
-                                   f"{tokens} {'padded ' if self.padding == 'padded' else ''}tokens (cap {self.token_cap})")
+                                   f"{tokens} {'padded ' if self.padding == 'padded' else ''}tokens "
+                                   f"(cap {self.token_cap})")
 
 
 def plan_minibatch(lengths: Sequence[int], world_size: int, token_cap: int, policy: str = "lb-mini",

@@ -90,7 +90,8 @@ class SlotCollator:
         self.collate_fn = collate_fn
 
     def __call__(self, items: list) -> BalancedSlot:
-        header, groups = items[0], {}
+        header = items[0]
+        groups: dict[int, list] = {}
         for micro_batch, sample in items[1:]:
             groups.setdefault(micro_batch, []).append(sample)
         return BalancedSlot(header, [self.collate_fn(samples) for _, samples in sorted(groups.items())])
@@ -134,7 +135,7 @@ class StepPlanner:
         header = StepHeader(step, tuple(plan.micro_batch_counts()), tuple(plan.rank_costs()), len(members),
                             plan.odc_step_cost(), plan.collective_step_cost())
         mine = plan.for_rank(self.rank)
-        items = [[header] for _ in range(slots)]
+        items: list[list] = [[header] for _ in range(slots)]
         for m, (batch, slot) in enumerate(zip(mine, slot_of_micro_batches(len(mine), slots))):
             items[slot].extend((m, members[i]) for i in batch)
         return items

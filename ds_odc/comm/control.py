@@ -27,7 +27,7 @@ import torch
 from ds_odc.comm.failure import RECORD_BYTES, FailureRecord
 from ds_odc.comm.wording import NUMBERS, Wording
 
-MAGIC = 0x0DC0_0004  # layout version: a block of another layout is refused, not misread
+MAGIC = 0x0DC0_0004  # layout version, written into every block by init() (a marker for a reader of raw blocks)
 # header words
 W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED, W_FORWARDS = range(9)
 HEADER_WORDS = 16
@@ -71,9 +71,6 @@ class ControlBlock:
         self.words[W_MAGIC] = MAGIC
         self.words[W_PID] = pid
         self.ordering.store_release(self.words, W_STATE, State.CREATED)
-
-    def magic_ok(self) -> bool:
-        return int(self.words[W_MAGIC]) == MAGIC
 
     def state(self) -> int:
         return self.ordering.load_acquire(self.words, W_STATE)

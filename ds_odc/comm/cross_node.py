@@ -39,7 +39,6 @@ from ds_odc.comm.backoff import wait_until
 from ds_odc.comm.failure import FailureKind, FailureRecord
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
-
 #: How long a broken collective waits for the board to say why (a node names a dead rank within
 #: milliseconds; its ranks may be busy for a while before their next round notices it).
 CAUSE_GRACE_S = 10.0

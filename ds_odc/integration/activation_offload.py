@@ -11,8 +11,8 @@ what a balanced Trainer slot does with its plan's tokens), else read from the in
 number of elements), else the first tensor argument (integer: its elements; floating: its rows, all
 dimensions but the last). The profile is calibrated on the first training micro-batch
 (:mod:`ds_odc.activations.calibrate`) and logged, then follows the longest micro-batch that offloaded (what
-its hooks observed), so sizes that grow faster than tokens are estimated from the long micro-batches. The step protocol is untouched: nothing here
-communicates.
+its hooks observed), so sizes that grow faster than tokens are estimated from the long micro-batches. The step
+protocol is untouched: nothing here communicates.
 """
 from __future__ import annotations
 
@@ -25,8 +25,16 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from deepspeed.utils import logger
 
-from ds_odc.activations import (HostPool, MicroBatchOffload, MicroBatchStats, SavedProfile, decide, measure_copy_rate,
-                                measure_profile, tokens_that_fit)
+from ds_odc.activations import (
+    HostPool,
+    MicroBatchOffload,
+    MicroBatchStats,
+    SavedProfile,
+    decide,
+    measure_copy_rate,
+    measure_profile,
+    tokens_that_fit,
+)
 from ds_odc.activations.policy import MIB
 from ds_odc.config import ActivationOffloadConfig
 

@@ -156,7 +156,7 @@ def _check_world_size(engine, load_dir: str, tag: str) -> None:
             f"has {world}. Convert it once with DeepSpeed's universal checkpoint tool and load that instead:\n"
             f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(load_dir, tag)} "
             f"--output_folder {os.path.join(load_dir, tag)}_universal\n"
-            f'and set "checkpoint": {{"load_universal": true}} in the ds_config (see README, "Checkpoints").')
+            f'and set "checkpoint": {{"load_universal": true}} in the ds_config (see docs/checkpoints.md).')
 
 
 @torch.no_grad()

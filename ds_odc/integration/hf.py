@@ -26,27 +26,15 @@ from __future__ import annotations
 import functools
 
 from deepspeed.utils import logger
-from ds_odc_import_hooks import when_imported
 
-from ds_odc.config import MARKER_KEY, ODC_STAGE, canonicalize, env_switch, is_odc_config, stage_three
+from ds_odc.config import canonicalize, is_odc_config
 from ds_odc.integration import hf_trainer
 from ds_odc.integration.patching import PatchSet
 from ds_odc.integration.versions import untested_hf_release
+from ds_odc_import_hooks import asks_for_odc, when_imported
 
 PATCHED_MODULE = "accelerate.utils.deepspeed"
 _patches = PatchSet("accelerate reads an 'odc' ds_config as ZeRO-3")
-
-
-def mentions_odc(config) -> bool:
-    """True for a ds_config dict with ``"stage": "odc"`` or an odc block (top level or under
-    ``zero_optimization``), or a stage-3 one while ``DS_ODC_STAGE3=odc``: the configs the patch canonicalises
-    (or refuses, naming why)."""
-    if not isinstance(config, dict):
-        return False
-    zero = config.get("zero_optimization")
-    if MARKER_KEY in config or (isinstance(zero, dict) and (zero.get("stage") == ODC_STAGE or MARKER_KEY in zero)):
-        return True
-    return stage_three(config) and env_switch() is not None
 
 
 @functools.cache
@@ -62,8 +50,9 @@ def _odc_asked() -> None:
 
 def read_as_accelerate(config) -> None:
     """What accelerate's ``set_stage_and_offload`` does first (and ``ds_odc_autoload``'s guard, the call
-    that imports ds_odc): canonicalise a config that mentions odc in place; leave any other alone."""
-    if mentions_odc(config):
+    that imports ds_odc): canonicalise a config that asks for odc in place (refusing, by name, one that asks
+    wrongly); leave any other alone."""
+    if asks_for_odc(config):
         canonicalize(config)  # idempotent; also refuses odc options next to another stage, naming why
         if is_odc_config(config):
             _odc_asked()

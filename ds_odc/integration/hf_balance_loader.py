@@ -179,7 +179,8 @@ def slot_loader(trainer, loader, config: BalanceConfig):
         if "planner" not in decided:
             padding = _decide_padding(config, dataset, collate_fn, members, length_of)
             if placement is not None and padding != "packed":
-                raise ODCConfigError("zero_optimization.odc.balance with sequence parallelism needs packed micro-batches "
+                raise ODCConfigError("zero_optimization.odc.balance with sequence parallelism needs packed "
+                                     "micro-batches "
                                      f"(the collator lays them out {padding!r}): Ulysses attention is built for "
                                      "micro-batches of per_device_train_batch_size sequences, so pack each micro-batch "
                                      "into one (e.g. transformers' DataCollatorWithFlattening) with "

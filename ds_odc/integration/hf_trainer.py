@@ -30,12 +30,12 @@ from __future__ import annotations
 import functools
 
 from deepspeed.utils import logger
-from ds_odc_import_hooks import when_imported
 
 from ds_odc.config import MARKER_KEY, ODC_STAGE, is_odc_config, parse_options
 from ds_odc.integration.hf_balance import bind_balance
 from ds_odc.integration.patching import PatchSet, bind
 from ds_odc.integration.versions import untested_hf_release
+from ds_odc_import_hooks import when_imported
 
 PATCHED_MODULE = "transformers.trainer"
 _patches = PatchSet("transformers' Trainer binds ODC behaviour to the Trainers that ask for it")

@@ -1,5 +1,7 @@
 """Where the step recorder listens, on ZeRO-3 and ODC engines alike (instance attributes only: no
-class is patched, so other engines in the process are untouched).
+class is patched, so other engines in the process are untouched). The hooks are one
+:class:`~ds_odc.integration.patching.PatchSet` per engine, undone by the engine's ``destroy()`` (its line in
+``PROCESS_WIDE``, ``surface_table.py``); the recorder and its reports stay readable after it.
 
 * ``engine.forward`` opens a micro-batch, ``engine.backward`` closes it (a torch-style
   ``loss.backward()`` micro-batch closes at the next forward or at the step);
@@ -17,6 +19,7 @@ import functools
 
 from deepspeed.utils import logger
 
+from ds_odc.integration.patching import PatchSet
 from ds_odc.metrics.recorder import StepRecorder
 
 _REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
@@ -33,28 +36,36 @@ def attach_recorder(engine, log_interval: int = 0) -> StepRecorder:
             if report.step % log_interval == 0:
                 logger.info("odc metrics: %s", report.log_line())
     recorder = StepRecorder(rank=engine.global_rank, on_step=on_step, device=engine.device)
-    _wrap(engine, "forward", lambda call: _before(recorder.begin_micro_batch, call))
-    _wrap(engine, "backward", lambda call: _after(recorder.end_micro_batch, call))
-    _wrap(engine, "step", lambda call: _boundary_step(engine, recorder, call))
+    hooks = PatchSet(f"the step recorder of rank {engine.global_rank}'s engine")
+    hooks.replace(engine, "forward", lambda call: _before(recorder.begin_micro_batch, call))
+    hooks.replace(engine, "backward", lambda call: _after(recorder.end_micro_batch, call))
+    hooks.replace(engine, "step", lambda call: _boundary_step(engine, recorder, call))
     optimizer = engine.optimizer
     offload = getattr(optimizer, "parameter_offload", None)
     if offload is not None:
-        _wrap(offload.get_param_coordinator(), "fetch_sub_module", lambda call: _spanned(recorder, "gather", call))
+        hooks.replace(offload.get_param_coordinator(), "fetch_sub_module",
+                      lambda call: _spanned(recorder, "gather", call))
     for name, kind in ((_REDUCE, "reduce"), ("_overflow_check_and_loss_scale_update", "step_wait"),
                        ("_get_norm_groups", "step_wait"), ("_post_step", "gather"),
                        ("_pull_released_persistent_params", "gather")):
         if hasattr(optimizer, name):
-            _wrap(optimizer, name, lambda call, kind=kind: _spanned(recorder, kind, call))
+            hooks.replace(optimizer, name, functools.partial(_spanned, recorder, kind))
     runtime = getattr(optimizer, "odc", None)
     if runtime is not None:
-        _wrap(runtime.protocol, "round", lambda call: _spanned(recorder, "step_wait", call))
+        hooks.replace(runtime.protocol, "round", lambda call: _spanned(recorder, "step_wait", call))
+    hooks.replace(engine, "destroy", lambda destroy: _undoing(hooks, destroy))  # last: undone first
     engine.odc_metrics = recorder
     return recorder
 
 
-def _wrap(owner, name, make):
-    original = getattr(owner, name)
-    setattr(owner, name, functools.wraps(original)(make(original)))
+def _undoing(hooks: PatchSet, destroy):
+    """The engine's ``destroy()``, then every hook of the recorder undone (this one included)."""
+    def wrapped(*args, **kwargs):
+        try:
+            return destroy(*args, **kwargs)
+        finally:
+            hooks.undo()
+    return wrapped
 
 
 def _before(hook, call):

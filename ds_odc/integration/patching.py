@@ -2,17 +2,20 @@
 
 Two shapes, both used by every patch under ``ds_odc/integration``:
 
-* :class:`PatchSet`: replacements that stay in place while ds_odc is registered (``deepspeed.initialize``,
-  accelerate's ``HfDeepSpeedConfig.set_stage_and_offload``). Each is built from the original
-  (``make(original) -> replacement``), applied once however often registration runs, and undone in
-  reverse order by :meth:`PatchSet.undo`, which restores exactly the object that was there before.
+* :class:`PatchSet`: replacements that outlast one call: while ds_odc is registered (``deepspeed.initialize``,
+  accelerate's ``HfDeepSpeedConfig.set_stage_and_offload``), or for an engine's life (the closures ZeRO-3
+  attaches to each parameter, a coordinator's ``reset_step``, the step recorder's hooks), undone by the
+  engine's ``destroy()``. Each is built from the original (``make(original) -> replacement``), applied once
+  however often it is asked for, and undone in reverse order by :meth:`PatchSet.undo` (all of them, or
+  those of one owner), which restores exactly the lookup there was before.
 * :func:`swapped`: a replacement for the duration of one call (``deepspeed.DeepSpeedEngine`` while
   ``deepspeed.initialize`` builds an ODC engine, ZeRO-3's optimizer class while the engine configures
   it, ``deepspeed.comm.barrier`` while a checkpoint is saved), restored on every exit path.
 * :func:`bind`: methods of one *instance* (a Hugging Face ``Trainer`` that asked for ODC), each
   delegating to its class's own method; the class and every other instance are left alone.
 
-Each name patched here is listed, with the reason, in :mod:`ds_odc.integration.surface`.
+Each private name patched here is listed, with the reason, in :mod:`ds_odc.integration.surface_table`
+(``SURFACE``), and every patch that outlives one call has a line in its ``PROCESS_WIDE``.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import contextlib
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 
 @dataclass
@@ -29,45 +32,71 @@ class _Applied:
     name: str
     original: Any
     replacement: Any
+    held: bool  # the owner held the name itself (else it was found on its class, and undo deletes it again)
 
 
 class PatchSet:
-    """Replacements installed together and undone together (see the module docstring)."""
+    """Replacements installed together and undone together (see the module docstring). Indexed by owner,
+    so that a set over every parameter of a model replaces and undoes in time linear in their number."""
 
     def __init__(self, label: str):
         self.label = label
-        self._applied: list[_Applied] = []
+        # (id(owner), name) -> what was replaced, in the order applied; each entry holds its owner, so an
+        # id is not reused while it is here
+        self._applied: dict[tuple[int, str], _Applied] = {}
+        self._names: dict[int, list[str]] = {}  # id(owner) -> the names replaced on it, in order
 
     @property
     def active(self) -> bool:
         return bool(self._applied)
 
+    def patched(self, owner: Any, name: Optional[str] = None) -> bool:
+        """Whether this set replaced ``owner.name`` (any name of ``owner`` when ``name`` is None)."""
+        if name is not None:
+            return (id(owner), name) in self._applied
+        return id(owner) in self._names
+
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner.name`` was before this set replaced it."""
-        for applied in self._applied:
-            if applied.owner is owner and applied.name == name:
-                return applied.original
-        raise KeyError(f"{self.label}: {name} of {owner!r} is not patched")
+        applied = self._applied.get((id(owner), name))
+        if applied is None:
+            raise KeyError(f"{self.label}: {name} of {owner!r} is not patched")
+        return applied.original
 
     def replace(self, owner: Any, name: str, make: Callable[[Any], Any], *, wraps: bool = True) -> None:
         """Set ``owner.name`` to ``make(original)`` (once: a second call for the same name is a no-op).
         ``wraps``: copy the original's name and docstring onto a function replacement."""
-        if any(a.owner is owner and a.name == name for a in self._applied):
+        key = (id(owner), name)
+        if key in self._applied:
             return
+        own = getattr(owner, "__dict__", None)
+        held = own is None or name in own
         original = getattr(owner, name)
         replacement = make(original)
         if wraps and callable(replacement) and callable(original):
             replacement = functools.wraps(original)(replacement)
         setattr(owner, name, replacement)
-        self._applied.append(_Applied(owner, name, original, replacement))
+        self._applied[key] = _Applied(owner, name, original, replacement, held)
+        self._names.setdefault(id(owner), []).append(name)
 
-    def undo(self) -> None:
-        """Restore every original, last replacement first (a name replaced by someone else after us is
-        left as they set it: undoing would drop their replacement)."""
-        while self._applied:
-            applied = self._applied.pop()
-            if getattr(applied.owner, applied.name, None) is applied.replacement:
+    def undo(self, owner: Any = None) -> None:
+        """Restore every original (only ``owner``'s, when given), last replacement first. A name replaced by
+        someone else after us is left as they set it: undoing would drop their replacement. A name the
+        owner did not hold itself (an instance's method, found on its class) is deleted again rather than
+        copied onto the owner."""
+        if owner is None:
+            keys = list(self._applied)
+            self._names.clear()
+        else:
+            keys = [(id(owner), name) for name in self._names.pop(id(owner), ())]
+        for key in reversed(keys):
+            applied = self._applied.pop(key)
+            if getattr(applied.owner, applied.name, None) is not applied.replacement:
+                continue
+            if applied.held:
                 setattr(applied.owner, applied.name, applied.original)
+            else:
+                delattr(applied.owner, applied.name)
 
 
 def delegating(function: Callable, original: Callable) -> Callable:

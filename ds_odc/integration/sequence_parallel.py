@@ -8,8 +8,9 @@ rank pushing its partial gradient, which the owners' accumulators sum. What ODC 
 :mod:`ds_odc.runtime.lockstep` (the ranks of one SP group run the same micro-batches) and counting
 samples per SP group. ALST replaces the attention function process-wide, so a frozen model's forward (a
 DPO reference model's) meets the SP peers in all-to-alls as well: it takes the lockstep of the newest
-training engine of the process (:func:`process_lockstep`). The other route, ``sequence_parallel_size`` in the ds_config without an ``mpu``,
-is refused by :mod:`ds_odc.config` (it partitions ZeRO-3 over the data-parallel mesh only).
+training engine of the process (:func:`process_lockstep`). The other route, ``sequence_parallel_size`` in the
+ds_config without an ``mpu``, is refused by :mod:`ds_odc.config` (it partitions ZeRO-3 over the data-parallel
+mesh only).
 """
 from __future__ import annotations
 

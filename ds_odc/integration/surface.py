@@ -3,11 +3,12 @@
 ds_odc subclasses ZeRO-3 and patches DeepSpeed where no public hook exists, so it depends on names a
 release may rename without notice: private and name-mangled methods it overrides or calls, attributes
 ZeRO-3 creates that it reads or replaces, closures DeepSpeed attaches to every parameter, module
-attributes it swaps. :data:`SURFACE` lists them, one :class:`PrivateName` each, grouped by owner.
+attributes it swaps. :data:`SURFACE` (in :mod:`ds_odc.integration.surface_table`) lists them, one
+:class:`PrivateName` each, grouped by owner.
 :func:`assert_surface` checks the DeepSpeed and torch entries at ``import ds_odc`` (before the
 version check), so that another release fails there, naming every missing name and the ds_odc file
 that needs it, instead of deep inside a training step. A private name newly used under ``ds_odc/``
-belongs here (``tests/unit/test_surface.py`` enforces it for name-mangled ones, and that every entry
+belongs in that table (``tests/unit/test_surface.py`` enforces it for name-mangled ones, and that every entry
 is still used by the files it names).
 
 What each check proves, by :class:`Kind` (nothing is called, no instance is built):
@@ -156,7 +157,7 @@ def format_missing(missing: list[PrivateName]) -> str:
              "it relies on are missing:"]
     lines += [f"  - {entry.describe()}: needed by {entry.used_by} ({entry.why})" for entry in missing]
     lines.append(f"Install deepspeed=={SUPPORTED_DEEPSPEED} (and a torch release it supports); the names ds_odc "
-                 "relies on are listed in ds_odc/integration/surface.py.")
+                 "relies on are listed in ds_odc/integration/surface_table.py.")
     return "\n".join(lines)
 
 

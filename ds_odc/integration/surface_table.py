@@ -193,7 +193,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, _STAGE3, "persistent_parameters", Kind.INSTANCE_ATTRIBUTE, _OPT,
                 "pulled after the step instead of all-gathered", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "offload_param", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
-                "where the shards live: with parameter offload, one host buffer per parameter group", found_in="__init__"),
+                "where the shards live: with parameter offload, one host buffer per parameter group",
+                found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "param_groups_fp16_flat_cpu_memory", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
                 "the host buffers of parameter offload, rebound to slices of the window", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "_move_to_flat_buffer", Kind.METHOD, _WINDOWS,
@@ -212,9 +213,11 @@ SURFACE: tuple[PrivateName, ...] = (
                 "pushes run on ZeRO-3's reduce stream", found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE, _OPT, "the mean rule's divisor",
                 found_in="__init__"),
-    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}", "the trainable parameters, by sub-group",
+    PrivateName(_Z3, _STAGE3, "fp16_groups", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
+                "the trainable parameters, by sub-group",
                 found_in="__init__"),
-    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _WINDOWS, "rebuilt on the window",
+    PrivateName(_Z3, _STAGE3, "fp16_partitioned_groups_flat", Kind.INSTANCE_ATTRIBUTE, _WINDOWS,
+                "rebuilt on the window",
                 found_in="__init__"),
     PrivateName(_Z3, _STAGE3, "averaged_gradients", Kind.INSTANCE_ATTRIBUTE, f"{_OPT}, {_WINDOWS}",
                 "set to the accumulator views before the step", found_in="__init__"),
@@ -286,7 +289,8 @@ SURFACE: tuple[PrivateName, ...] = (
                 "ds_odc/integration/launcher.py", "read when the launcher starts the nodes", found_in="main"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
     PrivateName("accelerate.utils.dataclasses", "DeepSpeedPlugin", "ACCELERATE_DEEPSPEED_ZERO_STAGE", Kind.FILE_NAME,
-                "ds_odc_import_hooks.py", "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
+                "ds_odc_import_hooks.py",
+                "the variable axolotl sets; ds_odc reads \"odc\" there as stage 3 plus its switch",
                 found_in="__post_init__"),
     PrivateName("accelerate.utils.deepspeed", "HfDeepSpeedConfig", "set_stage_and_offload", Kind.METHOD,
                 f"{_HF}, ds_odc_autoload.py", "patched: canonicalises a config that mentions 'odc' first (any other "
@@ -299,7 +303,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("accelerate.accelerator", "Accelerator", "_models", Kind.INSTANCE_ATTRIBUTE, _TRAINER,
                 "forgets the released inference engine", found_in="__init__"),
     PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_engine_wrapped", Kind.INSTANCE_ATTRIBUTE,
-                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)", found_in="__init__"),
+                f"{_TRAINER}, {_BALANCE}, {_COST}", "the training engine (released; stepped; timed)",
+                found_in="__init__"),
     PrivateName("accelerate.state", "GradientState", "_set_sync_gradients", Kind.METHOD, _BALANCE,
                 "the accumulation boundary on a slot's last micro-batch only"),
     PrivateName("accelerate.data_loader", None, "_PYTORCH_DATALOADER_KWARGS", Kind.MODULE_ATTRIBUTE, _LOADER,
@@ -333,7 +338,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
                 "bound on balance Trainers: counts over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
-                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world", found_in="_run_epoch"),
+                _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
+                found_in="_run_epoch"),
 )
 
 
@@ -348,8 +354,11 @@ class ProcessWide:
     where: str
 
 
-#: Every process-wide effect of ds_odc. Each replacement delegates unchanged to the original for anything
-#: that is not an ODC job; the scoped swaps last one call and are restored on every exit path.
+#: Every process-wide effect of ds_odc, and every replacement it makes on objects it does not own (parameters,
+#: DeepSpeed's coordinators and optimizers, an engine ``ds_odc.metrics.attach`` is given). Each replacement
+#: delegates unchanged to the original for anything that is not an ODC job; the scoped swaps last one call and
+#: are restored on every exit path; the others are undone by ``destroy()`` or when the process ends, as stated.
+#: Each is made through ``patching.py`` (``tests/unit/test_patching.py`` holds every file that patches to a line).
 PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("deepspeed.initialize replaced", "while ds_odc is registered (import ds_odc, or autoload)",
                 "the one entry every launcher, accelerate and the HF Trainer go through; configs without the odc "
@@ -366,6 +375,23 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("partitioned_param_coordinator.assert_ints_same_as_other_ranks gated",
                 "while ODC engines' parameter coordinators exist", "only ODC coordinators skip the trace check; "
                 "every other coordinator's call goes to the original", _PARAMS),
+    ProcessWide("an ODC engine's parameter coordinator: reset_step replaced by one that skips the trace check",
+                "from the engine's build to its destroy()", "ranks of an ODC job keep their own trace; the "
+                "instance attribute reaches this coordinator only", _PARAMS),
+    ProcessWide("each partitioned parameter's all_gather, all_gather_coalesced and partition closures replaced "
+                "by pulls", "from an ODC engine's build to its destroy() (ZeRO-3's closures put back)",
+                "zero.Init attaches these closures to every parameter, and they are the only way the coordinator, "
+                "GatheredParameters and the persistent-parameter refresh gather", _PARAMS),
+    ProcessWide("the step recorder's hooks on one engine: its forward, backward, step and destroy, its optimizer's "
+                "reduce, norm, overflow and post-step methods, its coordinator's fetch_sub_module, its protocol's "
+                "round", "from the recorder's attach (an ODC engine's build, or ds_odc.metrics.attach) to the "
+                "engine's destroy()", "the recorder listens where ZeRO-3 works, on that engine's objects only "
+                "(no class is patched)", _METRICS),
+    ProcessWide("SIGTERM, SIGINT and SIGHUP handlers: first unlink the files this rank created, then the previous "
+                "handler (or the default action)", "while a node's windows are allocated, main thread only; the "
+                "previous handlers are put back on every exit, and a signal the process ignores stays ignored",
+                "a rank stopped while allocating must leave nothing in /dev/shm (after allocation the files are "
+                "already unlinked)", "ds_odc/comm/segments.py"),
     ProcessWide("accelerate's HfDeepSpeedConfig.set_stage_and_offload replaced", "once accelerate.utils.deepspeed is "
                 "imported (by the autoload's guard before ds_odc is imported)", "the one reader from which "
                 "transformers and accelerate learn the stage: a config mentioning odc is canonicalised in place (stage "
@@ -374,6 +400,16 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "transformers.trainer is imported (never in a job that does not use ODC)", "the only place every "
                 "Trainer passes through; it binds ODC behaviour on the instances whose config asks for it, and leaves "
                 "the class and every other Trainer exactly as transformers has them", _TRAINER),
+    ProcessWide("methods bound on one Trainer instance whose config asks for odc: train (the inference engine "
+                "released first), and with the balance block the slot behaviours (get_train_dataloader, "
+                "get_batch_samples, training_step, ...); under SP its accelerator's deepspeed_ulysses_dl_adapter",
+                "that Trainer's life", "the class and every other Trainer stay as transformers and accelerate have "
+                "them; each bound method delegates to the class's own", f"{_TRAINER}, {_BALANCE}, "
+                "ds_odc/integration/hf_sequence_parallel.py"),
+    ProcessWide("a balanced Trainer's args.average_tokens_across_devices, and its accelerator's gather and "
+                "gather_for_metrics, swapped", "one call (the loss-token count; one balanced micro-batch)",
+                "the Trainer's own count without its per-rank gather; a gather per micro-batch cannot be "
+                "collective when ranks run different counts", _BALANCE),
     ProcessWide("ACCELERATE_DEEPSPEED_ZERO_STAGE=odc rewritten to 3, with DS_ODC_STAGE3=odc set",
                 "the process and its children (only when the variable says odc)", "accelerate calls int() on it; "
                 "axolotl exports there the stage it is given", "ds_odc_import_hooks.py (at interpreter start by "
@@ -391,5 +427,6 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("an atexit hook", "the process (DS_ODC_CLEAN_EXIT=0: none)", "gloo workers finish their last "
                 "decref before finalisation; no collective, bounded wait", "ds_odc/integration/clean_exit.py"),
     ProcessWide("a post-import finder on sys.meta_path", "until the modules it waits for are imported",
-                "ds_odc patches accelerate and transformers only once a program imports them", "ds_odc_import_hooks.py"),
+                "ds_odc patches accelerate and transformers only once a program imports them",
+                "ds_odc_import_hooks.py"),
 )

@@ -4,23 +4,24 @@ ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
 
 * each parameter's ``all_gather_coalesced`` / ``all_gather`` closures, the only ways the coordinator,
   ``GatheredParameters`` and the step's persistent-parameter refresh gather, are replaced by pulls
-  from the owners' windows, all the parameters of one gather in one batched transport call; ``partition(has_been_updated=True)`` (writing modified values back
-  into the shards) waits for every owner before returning;
+  from the owners' windows, all the parameters of one gather in one batched transport call;
+  ``partition(has_been_updated=True)`` (writing modified values back into the shards) waits for every
+  owner before returning;
 * the coordinator's trace-consistency check (``assert_ints_same_as_other_ranks`` in
   ``reset_step``, broadcasts at the start of forwards) is skipped for ODC coordinators only: with
   ODC each rank keeps its own trace, and ranks may legitimately run different modules. The gate that
   skips it replaces the module function while ODC coordinators exist, and the original comes back when
   the last one is released.
 
-ZeRO-3's own closures are kept aside in a table of this module (keyed by parameter, weakly), not on the
-parameters.
+Both go through :mod:`ds_odc.integration.patching` (one :class:`PatchSet` for the parameters' closures,
+one for the coordinators' ``reset_step``), so ZeRO-3's own closures are kept aside there, not on the
+parameters, and the engine's ``destroy()`` puts every one back (``PROCESS_WIDE`` in ``surface_table.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-import weakref
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -31,11 +32,12 @@ from ds_odc.comm.batch import COMPLETED, Completion
 from ds_odc.integration.patching import PatchSet
 
 _trace_check_skip = threading.local()
-#: id(parameter) -> (weak reference to it, ZeRO-3's own closures), kept once however many ODC engines wrap
-#: the same parameters (by id: a tensor's ``==`` is elementwise, so tensors cannot be dictionary keys)
-_zero3_closures: dict = {}
+#: Each parameter's gathers served by pulls; ZeRO-3's own closures are the originals it keeps (once, however
+#: many ODC engines wrap the same parameters: the newest engine's pulls replace the older one's).
+_pulls = PatchSet("ZeRO-3's parameter gathers, served by pulls from the ODC windows")
 _trace_gate = PatchSet("ZeRO-3's trace-consistency check, skipped for ODC coordinators")
-_gated_coordinators: "weakref.WeakSet" = weakref.WeakSet()
+#: The coordinators of ODC engines: their ``reset_step`` skips the trace check.
+_reset_steps = PatchSet("ODC coordinators' reset_step, without the trace-consistency check")
 
 
 class PullHandle:
@@ -114,37 +116,26 @@ def _make_publishing_partition(runtime, partition):
     return publishing_partition
 
 
-_CLOSURES = ("all_gather", "all_gather_coalesced", "partition")
-
-
 def install_pulls(runtime, params) -> None:
     """Make every gather of ``params`` a pull through ``runtime``. ZeRO-3's own closures are kept
     aside (once, however many engines wrap the same parameters) for :func:`uninstall_pulls`."""
     pull_coalesced = functools.partial(_pull_coalesced, runtime)
     for param in params:
-        closures = _closures_of(param)
-        if closures is None:
-            key = id(param)
-            closures = {name: getattr(param, name) for name in _CLOSURES}
-            _zero3_closures[key] = (weakref.ref(param, lambda _, key=key: _zero3_closures.pop(key, None)), closures)
-        param.all_gather_coalesced = pull_coalesced
-        param.all_gather = _make_pull_all_gather(runtime, param)
-        param.partition = _make_publishing_partition(runtime, closures["partition"])
+        _pulls.undo(param)  # another engine's pulls (the same parameters wrapped again): ZeRO-3's closures back
+        _pulls.replace(param, "all_gather_coalesced", _instead(pull_coalesced), wraps=False)
+        _pulls.replace(param, "all_gather", _instead(_make_pull_all_gather(runtime, param)), wraps=False)
+        _pulls.replace(param, "partition", functools.partial(_make_publishing_partition, runtime), wraps=False)
 
 
-def _closures_of(param):
-    entry = _zero3_closures.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+def _instead(replacement):
+    """A ``make`` for :meth:`PatchSet.replace` whose replacement does not call the original."""
+    return lambda _original: replacement
 
 
 def uninstall_pulls(params) -> None:
     """Give ``params`` back ZeRO-3's collective gathers (the engine is gone; the model stays usable)."""
     for param in params:
-        closures = _closures_of(param)
-        if closures is not None:
-            del _zero3_closures[id(param)]
-            for name, closure in closures.items():
-                setattr(param, name, closure)
+        _pulls.undo(param)
 
 
 @contextlib.contextmanager
@@ -168,21 +159,20 @@ def skip_trace_checks(coordinator) -> None:
     :func:`restore_trace_checks`."""
     _trace_gate.replace(_ppc, "assert_ints_same_as_other_ranks",
                         lambda original: functools.partial(_gated_assert_ints_same, original))
-    _gated_coordinators.add(coordinator)
-    reset_step = coordinator.reset_step
+    _reset_steps.replace(coordinator, "reset_step", _without_trace_check)
 
-    @functools.wraps(reset_step)
+
+def _without_trace_check(reset_step):
     def reset_step_without_trace_check(*args, **kwargs):
         with _skipping_trace_checks():
             return reset_step(*args, **kwargs)
 
-    coordinator.reset_step = reset_step_without_trace_check
+    return reset_step_without_trace_check
 
 
 def restore_trace_checks(coordinator) -> None:
     """The ODC engine of ``coordinator`` is gone: its own ``reset_step`` back, and the module function
     back once no ODC coordinator is left."""
-    coordinator.__dict__.pop("reset_step", None)
-    _gated_coordinators.discard(coordinator)
-    if not _gated_coordinators:
+    _reset_steps.undo(coordinator)
+    if not _reset_steps.active:
         _trace_gate.undo()

@@ -10,11 +10,10 @@ engine they are also where a rank waits for slower ones).
 (0.8, 0.0)
 >>> r.log_line()
 'step 3 rank 0 | wall 2.000s busy 80.0% | 2 micro-batches compute 1.500s gather 0.100s reduce 0.100s step-wait 0.200s optimizer 0.100s'
-"""
+"""  # noqa: E501 - a doctest's expected output is one line
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Iterable, Sequence
 
 
@@ -76,7 +75,3 @@ def step_line(reports_of_one_step: Sequence[StepReport], with_step: bool = True)
     ranks = " | ".join(f"rank {r.rank} {100 * r.utilisation:.1f}% ({r.micro_batches} mb)" for r in ordered)
     line = f"utilisation {100 * utilisation(ordered):.1f}% | {ranks}"
     return f"step {ordered[0].step} | {line}" if with_step else line
-
-
-def median_wall(reports: Iterable[StepReport]) -> float:
-    return statistics.median(r.wall_s for r in reports)

@@ -36,7 +36,7 @@ PROBE_DIR = os.path.join(SCRIPTS, "probe")
 STUBS_DIR = os.path.join(SCRIPTS, "stubs")
 TORCH = "torch==2.13.0"
 DEEPSPEED = "deepspeed==0.19.8"
-TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (README, Numerics)
+TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (docs/normalisation.md, Numerics)
 WEIGHT_TOLERANCE = 1e-3  # |diff| of per-tensor sums of saved weights (sums of up to ~25k fp32 values)
 
 
@@ -224,7 +224,8 @@ def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) ->
     return {"framework": scenario.framework, "version": ENVS[scenario.env].version, "scenario": scenario.name,
             "route": scenario.route, "steps": len(odc.get("losses") or []), "loss_diff": loss, "norm_diff": norms,
             "engines": engine_summary(odc), "micro_batches": " ".join(odc.get("micro_batches") or []),
-            "weights_diff": weights, "ok": not problems, "problems": problems, "wall_s": (odc["wall_s"], zero3["wall_s"])}
+            "weights_diff": weights, "ok": not problems, "problems": problems,
+            "wall_s": (odc["wall_s"], zero3["wall_s"])}
 
 
 def table(rows: list) -> str:
@@ -266,7 +267,8 @@ def main(argv=None) -> int:
                            check=True, capture_output=True)
             row = compare(scenario, python, model_dir, work, args)
             rows.append(row)
-            saved = "" if row["weights_diff"] is None else f"saved weights: max |per-tensor sum diff| {row['weights_diff']:.1e} "
+            saved = "" if row["weights_diff"] is None else \
+                f"saved weights: max |per-tensor sum diff| {row['weights_diff']:.1e} "
             print(f"{row['framework']} {row['scenario']}: {'pass' if row['ok'] else 'FAIL'} "
                   f"{'; '.join(row['problems'])} {saved}{row['micro_batches']}", flush=True)
         print("\n" + table(rows))

@@ -12,8 +12,16 @@ from torch.utils.data import DataLoader
 
 import ds_odc.metrics
 from ds_odc.balance import BalancedBatchSampler, CostModel
-from tests.distributed.workloads import (IN, OUT, clip_like_deepspeed, ds_config, full_params, make_model,
-                                         micro_batch, mse_mean)
+from tests.distributed.workloads import (
+    IN,
+    OUT,
+    clip_like_deepspeed,
+    ds_config,
+    full_params,
+    make_model,
+    micro_batch,
+    mse_mean,
+)
 
 LENGTHS = [1, 9, 2, 3, 8, 2, 1, 5, 6, 1, 1, 1, 9, 4, 2, 2]  # rows per sample: long-tailed, cap 10
 TOKEN_CAP = 10

@@ -5,7 +5,13 @@ from __future__ import annotations
 import deepspeed
 import torch
 import torch.distributed as tdist
-from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_grad, safe_set_full_fp32_param, safe_set_full_grad)
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_local_grad,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+)
 
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 

@@ -3,7 +3,6 @@ losses), without ``destroy_process_group()``. Without ds_odc's exit hook this ab
 "terminate called without an active exception" in about 3 runs of 4 (ds_odc/integration/clean_exit.py).
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/distributed/exit_script.py [odc|3]``"""
-import os
 import sys
 
 import deepspeed
@@ -20,7 +19,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": int(stage) if stage.isdigit() else stage},
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": int(stage) if stage.isdigit() else stage},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, config=config)
     for step in range(3):

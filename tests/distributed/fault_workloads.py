@@ -196,10 +196,10 @@ def faulty_training(phase: str, action: str, target: int, marker: str, ckpt_dir:
                 injector.armed = True
             for index in range(MICRO_BATCHES):
                 x, y, _ = (t.to(engine.device) for t in micro_batch(step, rank, index))
-                attempt(lambda: engine.backward(mse_mean(engine(x), y)))
+                attempt(lambda x=x, y=y: engine.backward(mse_mean(engine(x), y)))
             attempt(engine.step)
             if phase == "save" and step == FAULT_STEP:
-                attempt(lambda: engine.save_checkpoint(ckpt_dir, tag=f"step{step}"))
+                attempt(lambda step=step: engine.save_checkpoint(ckpt_dir, tag=f"step{step}"))
     except InjectedFault:
         raise  # the target's uncaught fault: the process ends with it
     except Exception as err:  # noqa: BLE001 - what this rank saw is the result

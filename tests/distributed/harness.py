@@ -101,7 +101,8 @@ def _tail(path: str, lines: int = 25) -> str:
 #: obvious ones, building the first optimizer imports torch._dynamo (torch.optim's compile guard) and
 #: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded. First of all,
 #: forkserver_setup keeps those imports from initialising CUDA (see there).
-PRELOAD = ["tests.distributed.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+PRELOAD = ["tests.distributed.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine",
+           "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.distributed.workloads"]
 
 
@@ -159,6 +160,7 @@ def _rank_entry(fn_ref, rank, world_size, port, results, payload, env, log_path,
         import torch
         torch.set_num_threads(1)
         import deepspeed
+
         import ds_odc  # noqa: F401  registers the "odc" stage
         fn, setup, args = _resolve(fn_ref), _resolve(setup_ref), pickle.loads(payload)
         if setup is not None:

@@ -38,7 +38,8 @@ class LongTailedDataset(torch.utils.data.Dataset):
         gen = torch.Generator().manual_seed(seed + 1)
         self.rows = []
         for length in long_tailed_lengths(size, seed):
-            start, stride = int(torch.randint(0, VOCAB, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+            start = int(torch.randint(0, VOCAB, (1,), generator=gen))
+            stride = int(torch.randint(1, 4, (1,), generator=gen))
             self.rows.append([(start + stride * i) % VOCAB for i in range(length)])
 
     def __len__(self):
@@ -112,12 +113,14 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
     record = logs
     forwards = [0]
     args = TrainingArguments(
-        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance, activation_offload) if distributed else None, use_cpu=True,
+        output_dir=output_dir, deepspeed=balance_ds_config(stage, balance, activation_offload) if distributed else None,
+        use_cpu=True,
         max_steps=steps, per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation if distributed else accumulation * world,
         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.0,
         max_grad_norm=0.3,  # below the gradient norms here: every step is clipped
-        per_device_eval_batch_size=4, logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        per_device_eval_batch_size=4, logging_steps=1, save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=workers,
         remove_unused_columns=False)
     torch.manual_seed(0)
@@ -146,8 +149,8 @@ def balanced_trainer_run(stage, output_dir: str, balance: dict | None = None, st
     saved = load_file(os.path.join(output_dir, "final", "model.safetensors"))
     offload = getattr(trainer.model_wrapped, "odc_activation_offload", None)
     offloaded = None if offload is None else [(s.tokens, s.moved_bytes, s.planned_bytes) for s in offload.history]
-    return {"offloaded": offloaded, "counts": counts, "weights": weights, "losses": losses, "logs": logs, "eval_loss": eval_loss,
-            "saved": saved, "engine": type(trainer.model_wrapped).__name__}
+    return {"offloaded": offloaded, "counts": counts, "weights": weights, "losses": losses, "logs": logs,
+            "eval_loss": eval_loss, "saved": saved, "engine": type(trainer.model_wrapped).__name__}
 
 
 def word_tokenizer():

@@ -89,8 +89,9 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
     model = LlamaForCausalLM._from_config(model_config, attn_implementation="sdpa")
     recorder = loss_recorder()
     collator = DataCollatorWithFlattening(return_position_ids=True) if packed else pad_collator
-    trainer = (PlannedOnZeRO3 if token_cap and stage != "odc" else Trainer)(model=model, args=args, train_dataset=VaryingDataset(32, seed=1), callbacks=[recorder],
-                      data_collator=collator)
+    trainer_class = PlannedOnZeRO3 if token_cap and stage != "odc" else Trainer
+    trainer = trainer_class(model=model, args=args, train_dataset=VaryingDataset(32, seed=1), callbacks=[recorder],
+                            data_collator=collator)
     forwards = []  # (step, this rank's slice of position_ids and input_ids) of every training forward
     model.register_forward_pre_hook(
         lambda module, args, kwargs: forwards.append((trainer.state.global_step, kwargs["position_ids"].clone(),

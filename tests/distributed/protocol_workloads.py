@@ -33,7 +33,7 @@ def slow_rank_and_a_retried_step(timeout_s: float, delay_s: float):
             break
         if step == 1 and rank == 0:
             time.sleep(delay_s)
-        for attempt in range(2):
+        for _attempt in range(2):
             try:
                 engine.step()
                 outcomes.append(("step", "ok", ""))

@@ -147,8 +147,8 @@ def sp_engine(stage, alst: bool = False, **config_kw):
                                                            sequence_parallel_size=SP, micro_batch_size=1)
     if alst:
         model = TiledLossLM(model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage, **config_kw),
-                                      mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage, **config_kw), mpu=mpu)
     return engine, mpu
 
 

@@ -9,7 +9,6 @@ import torch.distributed as tdist
 
 from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
 
-
 # -- op counting -----------------------------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
                "_all_gather_base", "_reduce_scatter_base", "all_reduce_coalesced", "all_gather_coalesced",

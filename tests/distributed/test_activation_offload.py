@@ -67,7 +67,8 @@ def test_checkpoint_inputs_mode_moves_only_the_inputs_of_reentrant_checkpoints()
 
 
 def test_bad_activation_offload_configs_fail_at_initialize_naming_the_option():
-    """At deepspeed.initialize, the way users meet them (every kind of bad value: tests/unit/test_activation_offload.py)."""
+    """At deepspeed.initialize, the way users meet them (every kind of bad value:
+    tests/unit/test_activation_offload.py)."""
     def offload(block, **extra):
         return {**ds_config("odc", odc={"activation_offload": block}), **extra}
 

@@ -38,7 +38,8 @@ def test_the_pth_file_is_installed_and_interpreter_start_stays_cheap():
 
 def test_importing_deepspeed_registers_the_odc_stage_unless_turned_off():
     probe = ("import sys, deepspeed; print('registered' if 'ds_odc' in sys.modules and "
-             "deepspeed.initialize.__name__ == 'initialize' and hasattr(deepspeed.initialize, '__wrapped__') else 'plain')")
+             "deepspeed.initialize.__name__ == 'initialize' and hasattr(deepspeed.initialize, '__wrapped__') "
+             "else 'plain')")
     assert _python(probe).stdout.split()[-1] == "registered"
     assert _python(probe, DS_ODC_AUTOLOAD="0").stdout.split()[-1] == "plain"
 

@@ -4,8 +4,15 @@ import os
 
 import pytest
 
-from tests.distributed.checkpoint_workloads import (RESHARD_TOLERANCE, load_and_continue, load_latest, merged_losses,
-                                                    save_then_crash_mid_save, to_universal, train_and_save)
+from tests.distributed.checkpoint_workloads import (
+    RESHARD_TOLERANCE,
+    load_and_continue,
+    load_latest,
+    merged_losses,
+    save_then_crash_mid_save,
+    to_universal,
+    train_and_save,
+)
 from tests.distributed.compare import worst_rel_diff
 from tests.distributed.harness import RankFailure, run_ranks
 

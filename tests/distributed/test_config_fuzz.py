@@ -50,6 +50,7 @@ from hypothesis import strategies as st
 from tests.distributed.config_fuzz_oracle import KNOWN_BUGS, WORLD, expectation, problems_of
 from tests.distributed.config_fuzz_workloads import run_configs
 from tests.distributed.harness import run_ranks
+
 N_VALID = 22  # plus one config per entry of FAULTS
 
 # -- the values ------------------------------------------------------------------------------------

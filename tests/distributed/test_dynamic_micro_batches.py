@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import dynamic_micro_batches as example  # noqa: E402
+
 from packed_lm import loss_sum, pack  # noqa: E402
 
 STEPS = 3
@@ -52,7 +53,8 @@ def both_loops():
                                           config=config(stage))
         params = []
         records = example.train(engine, STEPS, mode, ROLLOUTS, MAX_TOKEN_LEN,
-                                on_step=lambda step, record: params.append(full_params(engine)))
+                                on_step=lambda step, record, params=params, engine=engine:
+                                params.append(full_params(engine)))
         runs[mode] = {"engine": type(engine).__name__, "records": records, "params": params}
         engine.destroy()
     return runs

@@ -9,7 +9,7 @@ WORLD = NODES * LOCAL
 
 def test_gradients_summed_over_nodes_into_each_owner_block_and_windows_gathered():
     results = run_ranks(one_step, WORLD, timeout=120)
-    for rank, result in enumerate(results):
+    for result in results:
         node, local = result["node"], result["local"]
         cross = [r for r in range(WORLD) if r % LOCAL == local]
         block = result["accumulator"].numel() // NODES
@@ -37,7 +37,8 @@ def test_gradients_summed_over_nodes_into_each_owner_block_and_windows_gathered(
 
 
 def test_a_failure_posted_on_one_node_stops_the_others_waiting_in_the_exchange():
-    results = run_ranks(failure_reaches_the_other_node, WORLD, "posted", 30.0, timeout=120)  # the board, not the timeout
+    # the board, not the timeout
+    results = run_ranks(failure_reaches_the_other_node, WORLD, "posted", 30.0, timeout=120)
     waiting = [r for r in results if r["rank"] == 1]  # rank 1 shares rank 3's cross-node group
     for result in waiting:
         assert result["error"] == "ODCPeerError", result

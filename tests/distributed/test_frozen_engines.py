@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tests.distributed.compare import worst_rel_diff
-from tests.distributed.frozen_workloads import (frozen_forwards, policy_with_reference,
-                                                policy_with_reference_reference)
+from tests.distributed.frozen_workloads import frozen_forwards, policy_with_reference, policy_with_reference_reference
 from tests.distributed.harness import run_ranks
 from tests.distributed.workloads import make_model, micro_batch
 

@@ -1,5 +1,5 @@
 """The harness gives each rank the accelerator and backend it asks for, and never touches CUDA before a
-rank does (issue 18, items 1, 5 and 8).
+rank does (what a GPU run of the suite needs).
 
 DeepSpeed fixes its accelerator when it is first imported. The forkserver imports it once with the CPU
 accelerator, so a run that names another one must start fresh interpreters that import nothing before
@@ -82,7 +82,8 @@ NAMES = ("init", "_lazy_init", "is_available", "device_count", "current_device",
 HARMLESS_UNDER_NVML = ("is_available", "device_count")
 def recorder(name, original):
     def wrapped(*args, **kwargs):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "importlib" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "importlib" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
         calls.append({"call": f"torch.cuda.{name} from {where}", "harmless": nvml and name in HARMLESS_UNDER_NVML})

@@ -121,10 +121,10 @@ def test_sft_trainer_with_balance_equals_zero3_and_a_single_process(tmp_path, pa
 def test_a_balance_block_next_to_stage_3_is_the_marker_form_and_one_next_to_stage_2_is_refused(tmp_path):
     """An odc block next to ``"stage": 3`` asks for the odc stage (the marker form: transformers and accelerate
     keep seeing stage 3); next to another stage it is refused at TrainingArguments, naming the field."""
-    import ds_odc  # noqa: F401  (what the autoload does in a user's script)
     from transformers import TrainingArguments
     from transformers.integrations import is_deepspeed_zero3_enabled
 
+    import ds_odc  # noqa: F401  (what the autoload does in a user's script)
     from ds_odc.errors import ODCConfigError
     from tests.distributed.hf_balance_workloads import balance_ds_config
 

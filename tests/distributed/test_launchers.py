@@ -9,8 +9,12 @@ import sys
 import pytest
 
 from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.launcher_workloads import (initialize_odc, pretend_interleaved_nodes, pretend_one_host_per_rank,
-                                                  pretend_uneven_nodes)
+from tests.distributed.launcher_workloads import (
+    initialize_odc,
+    pretend_interleaved_nodes,
+    pretend_one_host_per_rank,
+    pretend_uneven_nodes,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "launched_script.py")

@@ -1,9 +1,10 @@
 """``import ds_odc`` makes every way of passing a config to deepspeed.initialize understand "odc"."""
 import json
 
+import pytest
+
 from tests.distributed.harness import RankHang, run_ranks
 from tests.distributed.workloads import ds_config, engine_kinds, hang_on_rank
-import pytest
 
 ODC = ("ODCEngine", 3, "ODCStage3Optimizer")
 

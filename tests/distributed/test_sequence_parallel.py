@@ -60,7 +60,8 @@ def test_equal_counts_match_zero3_with_sp_every_step():
         assert odc[rank]["losses"] == zero3[rank]["losses"], rank
         for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], zero3[rank]["params"], strict=True)):
             assert _worst(ours, theirs) <= 1e-6, f"rank {rank}, step {step}"
-        assert odc[rank]["global_samples"] == zero3[rank]["global_samples"] == 2 * 2 * 2  # steps x accumulation x SP groups
+        # steps x accumulation x SP groups
+        assert odc[rank]["global_samples"] == zero3[rank]["global_samples"] == 2 * 2 * 2
 
 
 def test_a_frozen_reference_model_under_sp_takes_the_lockstep_too():

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.protocol_workloads import (destroyed_engine_releases_shared_memory, initialize_with,
-                                                   liveness_script, mixed_normalisation_rules,
-                                                   slow_rank_and_a_retried_step, soak, soak_reference,
-                                                   uncaught_exception_script, versioned_publish_stress)
+from tests.distributed.protocol_workloads import (
+    destroyed_engine_releases_shared_memory,
+    initialize_with,
+    liveness_script,
+    mixed_normalisation_rules,
+    slow_rank_and_a_retried_step,
+    soak,
+    soak_reference,
+    uncaught_exception_script,
+    versioned_publish_stress,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,9 +5,18 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.transport_workloads import (PULL_DTYPES, PULL_LENGTHS, PULL_OFFSETS, concurrent_accumulate,
-                                                    expected_accumulation, large_misaligned_push, push_holder_dies,
-                                                    pusher_killed, reads_and_exchanges, window_values)
+from tests.distributed.transport_workloads import (
+    PULL_DTYPES,
+    PULL_LENGTHS,
+    PULL_OFFSETS,
+    concurrent_accumulate,
+    expected_accumulation,
+    large_misaligned_push,
+    push_holder_dies,
+    pusher_killed,
+    reads_and_exchanges,
+    window_values,
+)
 from tests.distributed.transports import CASES, TRANSPORTS, rank_env
 
 

@@ -20,9 +20,14 @@ import time
 import pytest
 import torch
 
+from tests.distributed.checkpoint_workloads import (
+    RESHARD_TOLERANCE,
+    load_and_continue,
+    merged_losses,
+    to_universal,
+    train_and_save,
+)
 from tests.distributed.compare import max_rel_diff, worst_rel_diff
-from tests.distributed.checkpoint_workloads import (RESHARD_TOLERANCE, load_and_continue, merged_losses,
-                                                    to_universal, train_and_save)
 from tests.distributed.harness import run_ranks
 from tests.distributed.netns import available, two_hosts
 from tests.distributed.two_host_workloads import MASKED, UNEVEN
@@ -230,13 +235,13 @@ def test_collectives_per_step_constant_across_nodes_and_none_in_forward_backward
 
 
 def test_per_rank_memory_window_and_accumulator_over_the_node_optimizer_state_over_the_job(cases):
-    """The README's per-rank bytes, against what each rank allocated (bf16 model, Adam): the window
+    """The per-rank bytes of docs/memory.md, against what each rank allocated (bf16 model, Adam): the window
     holds every parameter's shard of each rank with its local rank (1/local_world of the model, in
     bf16), the accumulator the same for trainable ones in fp32, the optimizer state (fp32 master,
     exp_avg, exp_avg_sq) 1/world of the trainable parameters, as in ZeRO-3."""
     for result in cases["memory"]:
         world, local, nodes = result["world"], result["local_world"], result["world"] // result["local_world"]
-        shard = lambda numel: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
+        shard = lambda numel, world=world: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
         trainable = sum(shard(n) for n in result["trainable"])
         frozen = sum(shard(n) for n in result["frozen"])
         assert result["window_bytes"] == 2 * nodes * (trainable + frozen), result
@@ -330,7 +335,8 @@ def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):
         (run_dir / "ds_config.json").write_text(json.dumps(config))
         port = str(next(_ports))
         argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
-                  "--master_addr", hosts.master_addr, "--master_port", port, os.path.join("examples", "hf_trainer_sft.py"),
+                  "--master_addr", hosts.master_addr, "--master_port", port,
+                  os.path.join("examples", "hf_trainer_sft.py"),
                   "--steps", "4", "--ds_config", str(run_dir / "ds_config.json"), "--output_dir", str(run_dir / "out")]
                  for i in range(2)]
         results = hosts.run_on_both(argvs, timeout=240)

@@ -1,6 +1,6 @@
 """ZeRO-3's API contracts hold on ODC: the same script on ``"stage": 3`` and ``"stage": "odc"``
 observes the same values (2 ranks, real engines). Between backward and step the reads are
-collective on ODC (a gradient fence), as they are in ZeRO-3; see the README's "ZeRO-3 APIs"."""
+collective on ODC (a gradient fence), as they are in ZeRO-3; see "ZeRO-3 APIs" in docs/frameworks.md."""
 import pytest
 import torch
 
@@ -24,7 +24,8 @@ def test_shard_writes_right_after_initialize_are_what_every_rank_s_first_forward
 def test_gradient_reads_between_backward_and_step_equal_zero3():
     zero3, odc = _both(contracts.gradient_reads_before_step, (2, 2))
     for rank in range(2):
-        assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)  # summation order differs (pushes vs reduce-scatter)
+        # summation order differs (pushes vs reduce-scatter)
+        assert_close_nested(odc[rank], zero3[rank], rtol=1e-5, atol=1e-6)
 
 
 def test_optimizer_offload_steps_as_zero3_offload_and_reads_as_on_device():

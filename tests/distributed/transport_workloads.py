@@ -56,12 +56,14 @@ def reads_and_exchanges(name):
                     out = torch.empty(length, dtype=dtype, device=window.device)
                     transport.read(owner, offset, out)
                     seen[(str(dtype), owner, offset, length)] = out.cpu()  # used on the caller's stream at once
-                    batch.append(Transfer(owner, offset, torch.full((length,), -1.0, dtype=dtype, device=window.device)))
+                    batch.append(Transfer(owner, offset,
+                                          torch.full((length,), -1.0, dtype=dtype, device=window.device)))
         handle = transport.read_many(batch)  # the same reads, in one call
         handle.wait()
         assert handle.is_completed() or window.device.type == "cuda"  # a stream may still be copying
         for transfer in batch:
-            seen[("batched", str(dtype), transfer.owner, transfer.offset, transfer.tensor.numel())] = transfer.tensor.cpu()
+            key = ("batched", str(dtype), transfer.owner, transfer.offset, transfer.tensor.numel())
+            seen[key] = transfer.tensor.cpu()
         rounds = [transport.exchange(RoundKind.TEST, 0, torch.tensor([float(i)]), "round").sum().item()
                   for i in range(5)]
         transport.close()

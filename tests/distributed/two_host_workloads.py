@@ -139,7 +139,8 @@ def cases(names, out_dir):
     rank = tdist.get_rank()
     for name in names.split(","):
         if name == "collectives":
-            result = [sync_workloads.count_collectives("odc", layers, micro) for layers, micro in ((1, 1), (2, 1), (1, 2))]
+            result = [sync_workloads.count_collectives("odc", layers, micro)
+                      for layers, micro in ((1, 1), (2, 1), (1, 2))]
         elif name == "memory":
             result = memory_per_rank()
         elif name.startswith("ckpt_save:"):

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from ds_odc.activations import HostPool, MicroBatchOffload, SavedProfile, decide, measure_profile, plan_offload, \
-    pool_bytes, tokens_that_fit
+from ds_odc.activations import (
+    HostPool,
+    MicroBatchOffload,
+    SavedProfile,
+    decide,
+    measure_profile,
+    plan_offload,
+    pool_bytes,
+    tokens_that_fit,
+)
 from ds_odc.balance import plan_minibatch
 from ds_odc.balance.cost import CostModel, OffloadAwareCost, OffloadTransfer
 from ds_odc.config import canonicalize, parse_options
@@ -215,7 +223,7 @@ def test_everything_planned_moves_even_past_the_estimate_and_the_profile_follows
     offload = EngineOffload(ActivationOffloadConfig(budget_mb=0), model, "cpu")
     for rows in (4, 16, 8):
         x = torch.randn(rows, 4)
-        with offload.forward(lambda: model(x), (x,), {}, training=True):
+        with offload.forward(lambda x=x: model(x), (x,), {}, training=True):
             loss = model(x)
         offload.before_backward()
         loss.backward()
@@ -246,4 +254,5 @@ def test_the_engine_side_decides_only_for_training_forwards_and_takes_a_planned_
     loss.backward()
     offload.after_backward()
     assert [stats.tokens for stats in offload.history] == [7] and offload.profile_tokens == 7
-    assert tokens_of((), {"input_ids": torch.zeros(3, 4, dtype=torch.long)}) == 12 and tokens_of(({"a": 1},), {}) is None
+    assert tokens_of((), {"input_ids": torch.zeros(3, 4, dtype=torch.long)}) == 12
+    assert tokens_of(({"a": 1},), {}) is None

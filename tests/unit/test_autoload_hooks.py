@@ -1,4 +1,5 @@
-"""``ds_odc_import_hooks`` (post-import hooks on throw-away modules) and ``ds_odc_autoload``'s switch: no torch, no processes."""
+"""``ds_odc_import_hooks`` (post-import hooks on throw-away modules) and ``ds_odc_autoload``'s switch: no torch,
+no processes."""
 import sys
 import textwrap
 

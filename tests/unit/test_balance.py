@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from ds_odc import ODCError
-from ds_odc.balance import (BalancedBatchSampler, CostModel, Plan, fit_cost_model, karmarkar_karp, plan_minibatch,
-                            refine)
+from ds_odc.balance import BalancedBatchSampler, CostModel, Plan, fit_cost_model, karmarkar_karp, plan_minibatch, refine
 from ds_odc.balance.packing import pack_padded
 from ds_odc.balance.partition import largest_part
 
@@ -156,7 +155,8 @@ def test_under_sequence_parallelism_the_ranks_of_a_group_get_the_same_micro_batc
     ranks 2 and 3 group 1's, and the epoch is covered once per group."""
     lengths = long_tailed(40, 512, seed=2)
     kw = dict(samples_per_rank=4, token_cap=512, seed=3)
-    with_sp = [list(BalancedBatchSampler(lengths, world_size=4, rank=r, sequence_parallel_size=2, **kw)) for r in range(4)]
+    with_sp = [list(BalancedBatchSampler(lengths, world_size=4, rank=r, sequence_parallel_size=2, **kw))
+               for r in range(4)]
     per_group = [list(BalancedBatchSampler(lengths, world_size=2, rank=g, **kw)) for g in range(2)]
     assert with_sp == [per_group[0], per_group[0], per_group[1], per_group[1]]
     assert sorted(i for group in per_group for batch in group for i in batch) == list(range(40))

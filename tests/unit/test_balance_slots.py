@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from ds_odc.balance.cost import CostModel
-from ds_odc.balance.slots import (BalancedSlot, SlotCollator, SlotDataset, StepHeader, StepPlanner,
-                                  slot_of_micro_batches)
+from ds_odc.balance.slots import BalancedSlot, SlotCollator, SlotDataset, StepHeader, StepPlanner, slot_of_micro_batches
 
 accelerate = pytest.importorskip("accelerate")
 

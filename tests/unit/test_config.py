@@ -17,7 +17,8 @@ def test_canonicalize_rewrites_in_place_and_is_idempotent():
 
 
 def test_other_stages_are_left_alone():
-    for cfg in ({"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}, {}, {"zero_optimization": True}):
+    for cfg in ({"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}, {},
+                {"zero_optimization": True}):
         before = copy.deepcopy(cfg)
         assert canonicalize(cfg) is None and cfg == before and not is_odc_config(cfg)
 
@@ -127,3 +128,45 @@ def test_what_the_switch_asks_for_and_odc_cannot_honour_is_refused_saying_the_va
 def test_the_switch_off_leaves_stage_3_alone(monkeypatch, value):
     monkeypatch.setenv("DS_ODC_STAGE3", value)
     assert canonicalize({"zero_optimization": {"stage": 3}}) is None
+
+
+# -- "does this config ask for odc": one function (ds_odc_import_hooks.asks_for_odc) for the autoload's guard,
+# which must not import ds_odc, and for ds_odc's accelerate patch, held here to what canonicalize does ----------
+ASKING_CONFIGS = [
+    {"zero_optimization": {"stage": "odc"}},
+    {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}},
+    {"zero_optimization": {"stage": 3, "odc": {}}},
+    {"zero_optimization": {"stage": "3", "odc": {"timeout_s": 5}}},
+    {"zero_optimization": {"stage": 3}, "odc": {"timeout_s": 5.0}},  # the canonical form
+    {"zero_optimization": {"stage": 3}},
+    {"zero_optimization": {"stage": "3"}},
+    {"zero_optimization": {"stage": 2}},
+    {"zero_optimization": {"stage": 0}},
+    {"zero_optimization": {"stage": "auto"}},
+    {"zero_optimization": {"stage": 1, "odc": {}}},  # odc options next to another stage: refused by name
+    {"zero_optimization": True},
+    {},
+    None,
+    "ds_config.json",
+]
+
+
+@pytest.mark.parametrize("switch", [None, "", "0", "off", "odc", " ODC ", "three"])
+@pytest.mark.parametrize("config", ASKING_CONFIGS)
+def test_the_autoload_and_the_accelerate_patch_ask_what_canonicalize_answers(config, switch, monkeypatch):
+    import ds_odc_autoload
+    import ds_odc_import_hooks
+    from ds_odc.integration import hf
+
+    assert ds_odc_autoload.asks_for_odc is hf.asks_for_odc is ds_odc_import_hooks.asks_for_odc
+    if switch is None:
+        monkeypatch.delenv("DS_ODC_STAGE3", raising=False)
+    else:
+        monkeypatch.setenv("DS_ODC_STAGE3", switch)
+    asked = ds_odc_import_hooks.asks_for_odc(copy.deepcopy(config))
+    try:
+        answer = canonicalize(copy.deepcopy(config))
+    except ODCConfigError:
+        assert asked, "a config ds_odc refuses for its odc options or switch must reach ds_odc, which names why"
+    else:
+        assert asked == (answer is not None)

@@ -108,7 +108,8 @@ def test_a_phase_gives_every_item_one_verdict_and_ends_with_the_counts(tmp_path,
 
 def test_items_past_the_phase_budget_are_inconclusive_not_failed(tmp_path):
     phase = Phase("performance", str(tmp_path / "out"), str(tmp_path / "work"), budget_s=3, header={})
-    first = phase.run(Item("slow", "outlasts the phase", py("import time; time.sleep(60)"), timeout_s=60), min_start_s=1)
+    first = phase.run(Item("slow", "outlasts the phase", py("import time; time.sleep(60)"), timeout_s=60),
+                      min_start_s=1)
     second = phase.run(Item("late", "starts after the budget", py("pass"), 30), min_start_s=1)
     assert first.status == Status.INCONCLUSIVE and "stopped at the phase budget" in first.error
     assert second.status == Status.INCONCLUSIVE and "budget was spent" in second.error
@@ -131,7 +132,8 @@ def test_pytest_results(tmp_path):
     verdict = verdicts.pytest_verdict(junit_run(tmp_path, 0))
     assert verdict.status == Status.PASS and verdict.figures["passed"] == 1 and verdict.figures["skipped"] == 1
     assert verdict.figures["skip_reasons"] == ["needs a CUDA device"]
-    failure = '<testcase classname="tests.gpu.test_a" name="test_bad" time="2"><failure message="assert 1 == 2">tb</failure></testcase>'
+    failure = ('<testcase classname="tests.gpu.test_a" name="test_bad" time="2">'
+               '<failure message="assert 1 == 2">tb</failure></testcase>')
     verdict = verdicts.pytest_verdict(junit_run(tmp_path, 1, failure))
     assert verdict.status == Status.FAIL and "test_bad: assert 1 == 2" in verdict.error
     (tmp_path / "junit.xml").write_text(JUNIT.format(extra="").replace('<testcase classname="tests.gpu.test_a" '

@@ -14,11 +14,18 @@ import benchmarks.sim
 import benchmarks.sim.hardware
 import benchmarks.sim.presets
 import benchmarks.sim.timeline
+from benchmarks.sim import (
+    Hardware,
+    golden_preset,
+    longalign_like_lengths,
+    measured_preset,
+    plan_from_record,
+    project,
+    simulate_step,
+)
+from benchmarks.sim.calibrate import calibrate, held_out_errors
 from ds_odc import ODCError
 from ds_odc.balance import CostModel, Plan, plan_minibatch
-from benchmarks.sim.calibrate import calibrate, held_out_errors
-from benchmarks.sim import (Hardware, golden_preset, longalign_like_lengths, measured_preset,
-                        plan_from_record, project, simulate_step)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = CostModel(quadratic=1e-6, linear=1e-3, per_micro_batch=0.01)
@@ -291,7 +298,8 @@ def test_sequence_parallel_projection_divides_compute_adds_all_to_alls_and_one_g
     assert all_to_all_seconds_per_token(1) == 0.0 and sp_cost_model(GOLDEN_COST_MODEL, 1) == GOLDEN_COST_MODEL
     halved = sp_cost_model(GOLDEN_COST_MODEL, 2)
     assert halved.quadratic == GOLDEN_COST_MODEL.quadratic / 2
-    assert halved.linear == GOLDEN_COST_MODEL.linear / 2 + all_to_all_seconds_per_token(2) > GOLDEN_COST_MODEL.linear / 2
+    assert halved.linear == GOLDEN_COST_MODEL.linear / 2 + all_to_all_seconds_per_token(2) \
+        > GOLDEN_COST_MODEL.linear / 2
     one_group = project_sp(8, 8, steps=2)  # SP over every rank: no data parallelism, no imbalance to remove
     assert all(abs(one_group.speedup("odc", policy)) < 0.02 for policy in ("lb-micro", "lb-mini"))
     four_groups = project_sp(8, 2, steps=2)

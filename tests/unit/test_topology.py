@@ -1,8 +1,8 @@
 """Nodes from the hosts ranks report, and the layout a multi-node job needs."""
 import pytest
 
-from ds_odc.errors import ODCConfigError
 from ds_odc.comm.topology import Topology, launcher_topology
+from ds_odc.errors import ODCConfigError
 
 
 def test_ranks_group_by_host_with_local_ranks_and_cross_groups():

@@ -26,8 +26,9 @@ def write_data(directory: str) -> None:
            for i, text in enumerate(common.sft_texts())]
     dpo = [{"instruction": row["prompt"], "input": "", "chosen": row["chosen"], "rejected": row["rejected"]}
            for row in common.preference_rows()]
-    info = {"compat_sft": {"file_name": "sft.json"}, "compat_dpo": {"file_name": "dpo.json", "ranking": True, "columns": {
-        "prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}}
+    columns = {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}
+    info = {"compat_sft": {"file_name": "sft.json"},
+            "compat_dpo": {"file_name": "dpo.json", "ranking": True, "columns": columns}}
     for name, content in (("sft.json", sft), ("dpo.json", dpo), ("dataset_info.json", info)):
         with open(os.path.join(directory, name), "w") as handle:
             json.dump(content, handle)
@@ -60,7 +61,8 @@ def main():
     with open(cfg_path, "w") as handle:
         handle.write(training_yaml(scenario, model_dir, output_dir, ds_path))
     bin_dir = os.path.dirname(sys.executable)  # the CLI starts "torchrun" from PATH: this venv's
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "DISABLE_VERSION_CHECK": "1",
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "FORCE_TORCHRUN": "1",
+           "NPROC_PER_NODE": "2", "DISABLE_VERSION_CHECK": "1",
            "MASTER_PORT": os.environ.get("MASTER_PORT", "29511")}
     cli = os.path.join(bin_dir, "llamafactory-cli")
     done = subprocess.run([cli, "train", cfg_path], env=env)

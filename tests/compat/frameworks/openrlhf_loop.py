@@ -35,7 +35,7 @@ import common  # noqa: E402
 STEPS = int(os.environ.get("DS_ODC_COMPAT_STEPS", "4"))
 TOKEN_BUDGET, KL_COEF = 64, 0.1
 # SGD, not OpenRLHF's Adam: Adam's update barely changes when the gradient is scaled by a constant, so it
-# hid this loop getting a third of ZeRO-3's gradient on ODC (fixed; README, "Normalisation").
+# hid this loop getting a third of ZeRO-3's gradient on ODC (fixed; docs/normalisation.md).
 OPTIMIZER = {"type": "SGD", "params": {"lr": 0.1}}
 
 

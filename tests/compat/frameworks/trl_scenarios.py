@@ -27,7 +27,7 @@ def shared_args(output_dir: str, config: dict) -> dict:
 
 def start_deepspeed_comm() -> None:
     """CPU ranks: accelerate starts torch.distributed but not deepspeed.comm; zero.Init needs the latter
-    (README, Hugging Face Trainer). Called after the TrainingArguments, before any model is built."""
+    (docs/frameworks.md, Hugging Face Trainer). Called after the TrainingArguments, before any model is built."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -12,7 +12,7 @@ look like perfect parity).
 (a CLI that starts its own ranks) builds its model under ``zero.Init`` right after accelerate started
 ``torch.distributed``; on CPU ranks accelerate does not start ``deepspeed.comm`` (on GPUs it does), and
 ``zero.Init`` then sizes its config for one rank. This starts ``deepspeed.comm`` on the existing gloo
-group first, which is what the README asks CPU scripts to do by hand.
+group first, which is what docs/frameworks.md asks CPU scripts to do by hand.
 """
 import functools
 import json
