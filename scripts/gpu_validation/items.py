@@ -7,8 +7,10 @@ core on ``cuda_ipc`` -> training parity -> one fault -> push against a local add
 copy -> overlap from the CUDA-event timeline.
 
 Second command (``--second``, default budget 290 s, only if time is left): one rank on NCCL, activation
-offload (test and peak-memory benchmark), batched gathers, the rest of the fault matrix, a JIT build into an
-empty folder, compute-sanitizer over the kernel sweep.
+offload (test and peak-memory benchmark), parameter offload with the model on the GPU against ZeRO-3,
+batched gathers, the rest of the fault matrix, a JIT build into an empty folder, compute-sanitizer over the
+kernel sweep. Not written yet: fp16 against ZeRO-3 fp16 with an injected inf step (the engine still refuses
+fp16), and offload_states / reload_states on cuda_ipc (its place is marked in :func:`second`).
 
 The same lists run in the CPU smoke run (``shm``, smaller selections; the CUDA-only items report themselves
 not measurable). Every item runs from the copy of the tests that the set-up lays out (``Context.suite``),
@@ -211,6 +213,8 @@ def second(ctx: Context) -> List[Item]:
                    ["tests/gpu/test_activation_offload_cuda.py"], None, 30),
         offload_memory,
         gathers,
+        ctx.pytest("param-offload", "offload_param with the model on the GPU (host-window pulls and pushes) against "
+                   "ZeRO-3 with the same offload, one rank on NCCL", ["tests/gpu/test_cuda_param_offload.py"], None, 30),
         ctx.pytest("fault-matrix-rest", "SIGKILL at forward and at the fence, an owner dying mid-pull: the survivor "
                    "raises ODCPeerError naming it and its device still computes", ["tests/gpu/test_cuda_faults.py"],
                    "not push", 60, world=2),
