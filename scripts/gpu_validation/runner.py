@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,7 +206,8 @@ class Phase:
                                                         f"{max(0.0, self.remaining_s):.0f} s of the {self.budget_s:.0f} s "
                                                         "budget were left (rerun it with --only)")
         scratch = os.path.join(self.work, "items", item.name)
-        os.makedirs(scratch, exist_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # the work folder outlives commands: no stale junit.xml
+        os.makedirs(scratch)
         argv = [part.replace("{scratch}", scratch).replace("{out}", self.out) for part in item.command]
         limit = min(item.timeout_s, self.remaining_s)
         env = {**os.environ, **item.env}
