@@ -2,6 +2,11 @@
 
 Fresh processes per cell, so that each cell's peak memory and warm-up are its own. ``run(rank, cell)``
 returns the rank's result (a dict) and must be a module-level function (spawn imports it by name).
+
+Where a cell computes (:func:`accelerator_of`): a cell whose ``"device"`` is a CUDA device gets DeepSpeed's
+CUDA accelerator and torch's default threads; every other cell the CPU accelerator and one thread (the CPU
+benchmarks' ranks share a small machine). Forcing the CPU on every cell made a ``--device cuda`` benchmark
+train on one CPU thread and record a peak GPU memory of 0.
 """
 from __future__ import annotations
 
@@ -13,10 +18,17 @@ import torch
 import torch.multiprocessing as mp
 
 
+def accelerator_of(cell: dict) -> str:
+    """"cuda" for a cell whose ``"device"`` names a CUDA device, else "cpu"."""
+    return "cuda" if str(cell.get("device", "cpu")).split(":")[0] == "cuda" else "cpu"
+
+
 def _rank_main(run, rank, world, port, cell, queue):
+    accelerator = accelerator_of(cell)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR=accelerator)
+    if accelerator == "cpu":
+        torch.set_num_threads(1)
     try:
         queue.put((rank, run(rank, cell)))
     except BaseException as error:  # report, never hang the parent

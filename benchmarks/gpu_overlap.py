@@ -15,8 +15,9 @@ script only):
   stream starts) and then for the pull's completion;
 * a push runs on the caller's stream (ZeRO-3's reduce stream), so it is marked there.
 
-Reported, over the measured steps of every rank: the fraction of pull and of push time that overlaps
-compute (``ds_odc.metrics.overlap``: micro-batches less the stalls charged inside them), the median
+Reported, over the measured steps of every rank: how far the timeline's step length is from the host's
+clock around the same step (``timeline_over_host``, the ratio farthest from 1: a sound timeline is near 1),
+the fraction of pull and of push time that overlaps compute (``ds_odc.metrics.overlap``: micro-batches less the stalls charged inside them), the median
 step, utilisation, and a timeline PNG of the last two steps. Two ranks on one GPU share its SMs: the
 figures say how much transfer is hidden behind this rank's own compute on a shared GPU, not on a GPU
 of its own.
@@ -28,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.join(ROOT, "examples")):
@@ -95,14 +97,19 @@ def rank_main(name, dim, layers, heads, tokens, micro_batches, steps, warmup):
     trace_side_streams(recorder, engine.optimizer.odc.transport, engine.device)
     rank = tdist.get_rank()
     lengths = [tokens // 2, tokens // 4, tokens - tokens // 2 - tokens // 4]
+    host_s = []  # the host's clock around each step, to check the timeline against (overlap_verdict)
     for step in range(warmup + steps):
-        for micro in range(micro_batches):
-            seed = 1000 * step + 10 * micro + rank
-            batch = pack([make_sample(seed + i, length, VOCAB) for i, length in enumerate(lengths)])
+        batches = [pack([make_sample(1000 * step + 10 * micro + rank + i, length, VOCAB)
+                         for i, length in enumerate(lengths)]) for micro in range(micro_batches)]
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        start = time.perf_counter()
+        for batch in batches:
             engine.backward(loss_sum(engine, batch), loss_tokens=len(batch[1]))
-        engine.step()
+        engine.step()  # the recorder resolves the step's events here, after synchronising the device
+        host_s.append(time.perf_counter() - start)
     reports = list(recorder.reports)[warmup:]
-    result = {"rank": rank, "timing": recorder.timing, "device": str(engine.device),
+    result = {"rank": rank, "timing": recorder.timing, "device": str(engine.device), "host_step_s": host_s[warmup:],
               "device_name": torch.cuda.get_device_name(engine.device) if cuda else "CPU",
               "params": sum(p.ds_numel for p in engine.module.parameters()), "reports": reports}
     engine.destroy()
@@ -118,6 +125,10 @@ def summarise(results, args) -> dict:
                "device": results[0]["device_name"], "params": results[0]["params"], "steps": args.steps,
                "micro_batches": args.micro_batches, "tokens": args.tokens,
                "median_step_s": statistics.median(r.wall_s for r in reports), "utilisation": utilisation(reports)}
+    # the timeline's length of each step over the host's clock around it: far from 1, the timeline is wrong
+    ratios = [report.wall_s / host for result in results for report, host in zip(result["reports"],
+                                                                                   result["host_step_s"])]
+    figures["timeline_over_host"] = max(ratios, key=lambda r: abs(r - 1.0)) if ratios else None
     for kind in ("pull", "push"):
         total = hidden_over(reports, kind)
         figures[kind] = {"busy_s": total.busy_s, "hidden_s": total.hidden_s, "hidden_fraction": total.fraction,

@@ -1,27 +1,30 @@
-"""Microbenchmark of the cuda_ipc transport: pull and push bandwidth against a plain copy of the
-same bytes, and the slowdown of a GEMM on a GPU while a peer pulls from / pushes into it.
+"""Microbenchmark of the cuda_ipc transport: push against a local add of the same elements, pull against a
+copy of the same bytes, and the slowdown of a GEMM on a GPU while a peer pulls from / pushes into it.
 
     python benchmarks/gpu_transport.py                      # 2 ranks, sizes 1..256 MiB
-    python benchmarks/gpu_transport.py --world 2 --sizes-mib 64 256 --push-blocks 8 16 32 --markdown out.md
+    python benchmarks/gpu_transport.py --world 2 --sizes-mib 64 256 --push-blocks auto 132 66 --markdown out.md
     python benchmarks/gpu_transport.py --json out.json      # the figures, for scripts/gpu_validate.py
 
 Runs from a checkout (the repository root is put on ``sys.path``) or with ds_odc installed.
 
 Ranks are spawned here (gloo for the start-up collectives only), rank r on GPU ``r % gpus``.
-Rank 0 is the puller/pusher, rank 1 the owner. Columns:
+Rank 0 is the puller/pusher, rank 1 the owner. What is compared with what:
 
-* ``copy``: ``dst.copy_(src)`` of the same bytes on rank 0's GPU (device-to-device), and with two
-  or more GPUs the in-process peer copy GPU 1 -> GPU 0 (what a pull is);
-* ``pull``: ``transport.read`` of rank 1's parameter window (bf16) into a local buffer;
-* ``push``: ``transport.accumulate`` of an fp32 / bf16 gradient into rank 1's fp32 accumulator;
-  bytes counted as accumulator bytes (4 per element), compared with a copy of as many bytes;
-* GEMM slowdown: median time of a bf16 GEMM on the owner's GPU (and on the pusher's own GPU, whose
-  SMs the push kernel shares) while rank 0 keeps pulling / pushing, over the same GEMM alone.
+* **push** (``transport.accumulate`` of an fp32 / bf16 gradient into rank 1's fp32 accumulator) against
+  a **local add** ``acc.add_(grad)`` of the same elements on rank 0's GPU: both read the gradient and read
+  and write the accumulator, so they move the same bytes. (A copy moves two thirds of them: push/copy could
+  never pass a target of 80%.) Swept over ``--push-blocks`` (``auto``: one wave of the device, the
+  kernel's default; numbers: at most that many blocks);
+* **pull** (``transport.read`` of rank 1's bf16 window) against a **copy of the same bytes from the peer
+  GPU** (``dst.copy_(remote)``), with two or more GPUs. With one GPU a pull *is* a device-to-device copy
+  within the GPU, so the ratio means nothing there: the figures carry the copy for reference and
+  scripts/gpu_validate.py reports the pull ratio as not measurable;
+* GEMM slowdown (two or more GPUs): median time of a bf16 GEMM on the owner's GPU (and on the pusher's own
+  GPU, whose SMs the push kernel shares) while rank 0 keeps pulling / pushing, over the same GEMM alone.
 
-Targets (docs/gpu.md): pull >= 90% and push >= 80% of copy bandwidth at >= 64 MiB; GEMM slowdown <= 3%.
-Timings are host wall-clock around ``torch.cuda.synchronize()``, median of ``--iters`` repetitions.
-With one GPU, the ranks share it: a pull is then a copy within one GPU's memory through an IPC mapping
-(no NVLink), and the GEMM slowdown is not measured (the ranks would time-share the GPU).
+Targets (docs/gpu.md): push >= 80% of a local add, pull >= 90% of a peer copy at >= 64 MiB; GEMM
+slowdown <= 3%. Times are CUDA events around each call on the caller's stream (a pull makes that stream
+wait for its pull stream, so the event after it marks the pull's end), median of ``--iters``.
 """
 from __future__ import annotations
 
@@ -47,8 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--world", type=int, default=2, help="ranks (>= 2); rank r on GPU r %% gpus")
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--push-blocks", type=int, nargs="+", default=[16],
-                        help="CTAs one push may use (sweep to trade bandwidth against GEMM slowdown)")
+    parser.add_argument("--push-blocks", nargs="+", default=["auto"],
+                        help="at most this many blocks per push ('auto': one wave of the device, the default): "
+                             "sweep to trade bandwidth against GEMM slowdown")
     parser.add_argument("--gemm", type=int, default=8192, help="GEMM size n (n x n x n, bf16)")
     parser.add_argument("--gemm-seconds", type=float, default=3.0)
     parser.add_argument("--markdown", help="also append the tables to this file")
@@ -56,20 +60,27 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.world < 2:
         parser.error("--world must be at least 2 (one rank pulls/pushes, another owns)")
+    try:
+        args.push_blocks = [None if b == "auto" else int(b) for b in args.push_blocks]
+    except ValueError:
+        parser.error(f"--push-blocks takes 'auto' or block counts, got {args.push_blocks}")
     return args
 
 
 def _timed(fn, iters):
+    """Median seconds of ``fn`` between two CUDA events on the current stream (one warm-up call first)."""
     import torch
 
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 
@@ -78,6 +89,7 @@ def _gbps(nbytes, seconds):
 
 
 def _bandwidth_rows(transport, args, peer_gpu):
+    """One row per (size, push block bound): copy, peer copy, pull, local adds and pushes (seconds)."""
     import torch
 
     device = transport.device
@@ -91,15 +103,25 @@ def _bandwidth_rows(transport, args, peer_gpu):
         if peer_gpu is not None:
             remote = torch.empty(nbytes, dtype=torch.uint8, device=peer_gpu)
             peer_copy = _gbps(nbytes, _timed(lambda dst=dst, remote=remote: dst.copy_(remote), args.iters))
+            del remote
+        del src
         out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
         pull = _gbps(nbytes, _timed(lambda out=out: transport.read(1, 0, out), args.iters))
-        numel = nbytes // 4
+        del out, dst
+        numel = nbytes // 4  # accumulator elements: the accumulator is `size` MiB of fp32
         grads = {"fp32": torch.randn(numel, device=device), "bf16": torch.randn(numel, device=device).bfloat16()}
+        acc = torch.zeros(numel, device=device)
+        add = {k: _timed(lambda g=g: acc.add_(g), args.iters) for k, g in grads.items()}
+        del acc
         for blocks in args.push_blocks:
             transport.push_max_blocks = blocks
-            push = {k: _gbps(nbytes, _timed(lambda g=g: transport.accumulate(1, 0, g), args.iters))
-                    for k, g in grads.items()}
-            rows.append((size, copy, peer_copy, pull, blocks, push["fp32"], push["bf16"]))
+            push = {k: _timed(lambda g=g: transport.accumulate(1, 0, g), args.iters) for k, g in grads.items()}
+            rows.append({"mib": size, "copy_gbps": copy, "peer_copy_gbps": peer_copy, "pull_gbps": pull,
+                         "push_blocks": "auto" if blocks is None else blocks, "push_fp32_s": push["fp32"],
+                         "push_bf16_s": push["bf16"], "add_fp32_s": add["fp32"], "add_bf16_s": add["bf16"],
+                         "push_fp32_gbps": _gbps(3 * nbytes, push["fp32"]),
+                         "add_fp32_gbps": _gbps(3 * nbytes, add["fp32"])})
+        del grads
     return rows
 
 
@@ -218,13 +240,18 @@ def _rank_main(rank, world, port, args, results):
 
 def _markdown(bandwidth, gemm, own, device_name, gpus, args, command):
     lines = [f"GPU transport microbenchmark on {gpus} x {device_name}, world {args.world}; command: `{command}`", "",
-             "| MiB | copy GB/s | peer copy GB/s | pull GB/s | pull / copy | push CTAs | push fp32 GB/s "
-             "| push bf16 GB/s | push / copy |", "|---|---|---|---|---|---|---|---|---|"]
-    for size, copy, peer_copy, pull, blocks, push32, push16 in bandwidth:
-        base = peer_copy or copy
-        peer = f"{peer_copy:.1f}" if peer_copy else "n/a (one GPU)"
-        lines.append(f"| {size} | {copy:.1f} | {peer} | {pull:.1f} | {pull / base:.2f} | {blocks} | {push32:.1f} "
-                     f"| {push16:.1f} | {push32 / base:.2f} |")
+             "Push vs a local `acc.add_(grad)` of the same elements (both move 3 x the fp32 accumulator bytes: "
+             "GB/s counts those); pull vs a copy of the same bytes from the peer GPU (with one GPU a pull is a "
+             "device-to-device copy: no ratio).", "",
+             "| MiB | copy GB/s | peer copy GB/s | pull GB/s | pull / peer copy | push blocks | add fp32 GB/s "
+             "| push fp32 GB/s | push / add fp32 | push / add bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in bandwidth:
+        peer = row["peer_copy_gbps"]
+        peer_text = f"{peer:.1f}" if peer else "n/a (one GPU)"
+        pull_ratio = f"{row['pull_gbps'] / peer:.2f}" if peer else "not measurable"
+        lines.append(f"| {row['mib']} | {row['copy_gbps']:.1f} | {peer_text} | {row['pull_gbps']:.1f} | {pull_ratio} "
+                     f"| {row['push_blocks']} | {row['add_fp32_gbps']:.1f} | {row['push_fp32_gbps']:.1f} "
+                     f"| {row['add_fp32_s'] / row['push_fp32_s']:.2f} | {row['add_bf16_s'] / row['push_bf16_s']:.2f} |")
     lines.append("")
     if gemm:
         lines += ["| traffic into the owner GPU | GEMM alone (ms) | GEMM under traffic (ms) | slowdown |",
@@ -271,11 +298,8 @@ def main(argv=None):
 
 
 def _figures(bandwidth, gemm, own, device_name, gpus, args, command):
-    """The measurements as data: one row per (size, push CTAs); GEMM rows only with two or more GPUs."""
-    rows = [{"mib": size, "copy_gbps": copy, "peer_copy_gbps": peer_copy, "pull_gbps": pull, "push_blocks": blocks,
-             "push_fp32_gbps": push32, "push_bf16_gbps": push16}
-            for size, copy, peer_copy, pull, blocks, push32, push16 in bandwidth]
-    return {"command": command, "device": device_name, "gpus": gpus, "world": args.world, "rows": rows,
+    """The measurements as data: one row per (size, push block bound); GEMM rows only with two or more GPUs."""
+    return {"command": command, "device": device_name, "gpus": gpus, "world": args.world, "rows": bandwidth,
             "gemm": [{"traffic": kind, "alone_s": alone, "busy_s": busy} for kind, alone, busy in (gemm or [])],
             "own_gemm": {"alone_s": own[0], "busy_s": own[1]} if own else None}
 

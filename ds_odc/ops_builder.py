@@ -10,9 +10,15 @@ Two operators (``ops/csrc``):
 
 Each is compiled by ``torch.utils.cpp_extension.load`` into a cache directory named after the
 sources' hash, torch's version and its CUDA version, so a changed source or a new torch rebuilds it
-and an unchanged one is loaded in a fraction of a second. Concurrent ranks building at once are
-serialised by torch's lock file in that directory; a lock file older than the operator's longest
-plausible build was left by a build that was killed, and is removed (torch would wait on it forever).
+and an unchanged one is loaded in a fraction of a second.
+
+Concurrent builds (:func:`_builder_lock`): ranks that build at once are serialised by a kernel lock
+(``flock``) on ``ds_odc_build.flock`` in that directory, which the kernel releases when its holder dies,
+however it dies. torch's own lock file (``lock``, a plain file that torch waits on for as long as it
+exists) is therefore stale whenever ds_odc holds the kernel lock and finds it: it was left by a build that
+was killed (a rank killed mid-build, a timeout), and is removed at once. (Breaking it only when older than
+the longest plausible build made every later build wait on it until its own timeout.) A library that a
+killed link left truncated fails to import and is rebuilt under the same lock.
 
 Where the sources are (:func:`find_ops_dir`): an installed package carries them in ``ds_odc/ops/csrc``
 (``setup.py`` copies them there when it builds a wheel), a checkout or an editable install has them in
@@ -23,6 +29,7 @@ Nothing here runs at ``import ds_odc``: importing never needs nvcc, CUDA or ninj
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -58,8 +65,8 @@ class OpSpec:
     needs_cuda: bool = True
     python_module: bool = True
     """False: plain C functions, loaded with ctypes (no pybind11, no torch headers)."""
-    stale_lock_s: float = 1800.0
-    """A build lock older than this was left by a killed build (see the module docstring)."""
+    build_wait_s: float = 1800.0
+    """How long a rank waits for another *live* rank's build of it before giving up with an error."""
 
     def source_paths(self) -> List[Path]:
         return [OPS_DIR / s for s in self.sources]
@@ -77,7 +84,7 @@ class OpSpec:
 CUDA_IPC = OpSpec("ds_odc_cuda_ipc", sources=("csrc/odc_ops.cpp", "csrc/odc_kernels.cu"),
                   headers=("csrc/odc_kernels.h",))
 ATOMICS = OpSpec("ds_odc_atomics", sources=("csrc/odc_atomics.cpp",), needs_cuda=False, python_module=False,
-                 stale_lock_s=120.0)
+                 build_wait_s=120.0)
 OPS = (ATOMICS, CUDA_IPC)
 
 _loaded: dict = {}
@@ -157,36 +164,76 @@ def load_op(spec: OpSpec = CUDA_IPC, *, verbose: bool = False):
     with _load_lock:
         if spec.name in _loaded:
             return _loaded[spec.name]
-        reason = why_not_buildable(spec)
-        if reason:
-            raise RuntimeError(f"ds_odc operator {spec.name!r} cannot be built here: {reason}")
         directory = build_directory(spec)
-        directory.mkdir(parents=True, exist_ok=True)
         library = _library_path(spec)
-        _remove_stale_lock(directory / "lock", spec.stale_lock_s)
-        building = (directory / "lock").exists()  # torch's baton: another rank is compiling right now
-        if library.exists() and not building:
-            module = _import_built(spec, library)
-        else:
-            from torch.utils.cpp_extension import load
-
-            built = load(name=spec.name, sources=[str(p) for p in spec.source_paths()],
-                         extra_include_paths=[str(OPS_DIR / "csrc")], extra_cuda_cflags=["-O3"],
-                         extra_cflags=["-O3"], build_directory=str(directory), verbose=verbose,
-                         is_python_module=spec.python_module)
-            module = built if spec.python_module else _import_built(spec, library)
+        module = None
+        if library.exists() and not (directory / "lock").exists():  # built (or prebuilt), nobody building
+            module = _try_import(spec, library)
+        if module is None:
+            reason = why_not_buildable(spec)
+            if reason:
+                raise RuntimeError(f"ds_odc operator {spec.name!r} cannot be built here: {reason}")
+            directory.mkdir(parents=True, exist_ok=True)
+            with _builder_lock(directory, spec):
+                module = _build_or_import(spec, directory, library, verbose)
         _loaded[spec.name] = module
         return module
 
 
-def _remove_stale_lock(lock: Path, older_than_s: float) -> None:
+def _build_or_import(spec: OpSpec, directory: Path, library: Path, verbose: bool):
+    """Under the builder lock: no live ds_odc build of ``spec`` runs, so torch's lock file is stale."""
+    torch_lock = directory / "lock"
+    if torch_lock.exists():
+        torch_lock.unlink()  # left by a killed build (the module docstring)
+    if library.exists():
+        module = _try_import(spec, library)
+        if module is not None:
+            return module
+        library.unlink()  # a truncated library from a killed link: build it again
+    from torch.utils.cpp_extension import load
+
+    built = load(name=spec.name, sources=[str(p) for p in spec.source_paths()],
+                 extra_include_paths=[str(OPS_DIR / "csrc")], extra_cuda_cflags=["-O3"],
+                 extra_cflags=["-O3"], build_directory=str(directory), verbose=verbose,
+                 is_python_module=spec.python_module)
+    return built if spec.python_module else _import_built(spec, library)
+
+
+@contextlib.contextmanager
+def _builder_lock(directory: Path, spec: OpSpec, poll_s: float = 0.1):
+    """Exclusive among the processes building ``spec`` into ``directory``; released by the kernel when
+    the holder exits, killed or not. Waits up to ``spec.build_wait_s`` for a live holder, then raises
+    naming it (its pid is written into the lock file)."""
+    import fcntl
     import time
 
+    path = directory / "ds_odc_build.flock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if time.time() - lock.stat().st_mtime > older_than_s:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+        deadline = time.monotonic() + spec.build_wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    raise RuntimeError(f"ds_odc operator {spec.name!r}: another process (pid {holder}) has been "
+                                       f"building it in {directory} for over {spec.build_wait_s:.0f} s") from None
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
+def _try_import(spec: OpSpec, library: Path):
+    """The built library, or None when it does not load (truncated by a killed build)."""
+    try:
+        return _import_built(spec, library)
+    except (ImportError, OSError):
+        return None
 
 
 def _import_built(spec: OpSpec, library: Path):

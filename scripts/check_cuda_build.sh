@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Compile and link ds_odc's operators here, without a GPU, exactly as the GPU machine will (issue 18,
-# item 9). Not part of CI: it installs ~4 GB into .gpu_build/ (git-ignored) and takes a few minutes.
+# Compile and link ds_odc's operators here, without a GPU, exactly as the GPU machine will. Not part of CI: it installs ~4 GB into .gpu_build/ (git-ignored) and takes a few minutes.
 #
 #     bash scripts/check_cuda_build.sh
 #

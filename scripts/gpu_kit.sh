@@ -3,17 +3,23 @@
 #
 #     bash scripts/gpu_kit.sh
 #
-# gathers into .gpu_kit/ (git-ignored) what the GPU machine lacks, as CPython 3.12 x86-64 wheels:
-# deepspeed 0.19.8 (a pure-Python wheel built here from its sdist, no op compiled) and the pure-Python
-# packages it needs that the GPU image does not have (pydantic, pydantic-core, hjson, annotated-types,
-# typing-inspection, typing-extensions), at the versions this checkout's .venv runs, so the GPU machine
-# runs the combination CI tests. The GPU image already has torch 2.11+cu130, nvcc 13, ninja, numpy,
-# psutil, py-cpuinfo, msgpack, einops, tqdm, packaging, pytest and matplotlib (docs/gpu.md).
-# .gpu_kit/MANIFEST.json names the commit, each wheel's size and sha256.
+# gathers into .gpu_kit/ (git-ignored) what the GPU machine lacks:
+#  * wheels/: CPython 3.12 x86-64 wheels of deepspeed 0.19.8 (a pure-Python wheel built here from its
+#    sdist, no op compiled) and the pure-Python packages it needs that the GPU image does not have (pydantic,
+#    pydantic-core, hjson, annotated-types, typing-inspection, typing-extensions), at the versions this
+#    checkout's .venv runs, so the GPU machine runs the combination CI tests; .gpu_kit/MANIFEST.json names
+#    the commit, each wheel's size and sha256;
+#  * ops/: ds_odc's CUDA operator prebuilt for the GPU machine's software (torch 2.11.0+cu130, CPython 3.12,
+#    sm_80 and sm_90) with its fingerprint, ops/PREBUILT.json (scripts/prebuild_cuda_op.py; needs nvcc 13.0
+#    and a CPython 3.12 here, and fetches torch 2.11's wheel once into .gpu_build/). There the kit loads it
+#    when the fingerprint matches and builds only on a mismatch, saying which. Without nvcc 13.0 here the
+#    step is skipped with a note and the GPU machine builds the operator (30-60 s of its time).
+# The GPU image already has torch 2.11+cu130, nvcc 13, ninja, numpy, psutil, py-cpuinfo, msgpack, einops,
+# tqdm, packaging, pytest and matplotlib (docs/gpu.md). Everything carried stays under 10 MB.
 #
-# Step 2, on the GPU machine (the device tool's `carry` names .gpu_kit):
-#     python3 scripts/gpu_validate.py --phase correctness --out $OUT
-#     python3 scripts/gpu_validate.py --phase performance --out $OUT
+# Step 2, on the GPU machine, from the repository root, with .gpu_kit carried (docs/gpu.md):
+#     python3 scripts/gpu_validate.py --out $OUT              # first command: ~330 s, give it 420 s
+#     python3 scripts/gpu_validate.py --second --out $OUT     # only if six minutes or more are left
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${GPU_KIT_DIR:-.gpu_kit}
@@ -69,8 +75,11 @@ for w in wheels:
 print(f"gpu_kit: {len(wheels)} wheels, {total / 1e6:.1f} MB in {kit}/wheels (commit {manifest['commit']}"
       f"{', uncommitted changes' if manifest['dirty'] else ''})")
 EOF
+echo "gpu_kit: the CUDA operator, prebuilt for the GPU machine"
+"$PY" scripts/prebuild_cuda_op.py --out "$KIT/ops"
+echo "gpu_kit: $(du -sh "$KIT" | cut -f1) to carry in $KIT"
 cat <<EOF
-gpu_kit: ready. On the GPU machine (device tool: carry ["$KIT"]), from the repository root:
-    python3 scripts/gpu_validate.py --phase correctness --out \$OUT
-    python3 scripts/gpu_validate.py --phase performance --out \$OUT
+gpu_kit: ready. On the GPU machine (carry "$KIT"), from the repository root:
+    python3 scripts/gpu_validate.py --out \$OUT              # first command: ~330 s, give it 420 s
+    python3 scripts/gpu_validate.py --second --out \$OUT     # only if six minutes or more are left
 EOF

@@ -17,18 +17,28 @@ Worked example: fp32 accumulator at byte address 1000 (= 8 mod 16), 11 bf16 sour
     groups 2 (elements 2..9), tail 1 (element 10)
     vector_loads: source element 2 sits at 2004, not 8-byte aligned -> False (scalar loads)
 
-Threads use grid-stride loops over groups, then over the head and tail ("edges"); ``blocks``
-bounds how many SMs one push may occupy, so that a push never crowds out backward's kernels.
+How the body is walked (why: a push must run at memory bandwidth, so each thread keeps ``UNROLL``
+loads in flight before it issues their reductions): a block takes a *tile* of ``UNROLL * threads``
+groups, thread ``t`` the groups ``t, t + threads, ..., t + (UNROLL - 1) * threads`` of it (each load
+coalesced across the warp), and blocks stride over tiles. The head and tail ("edges", at most 6
+elements) are added by the first threads of block 0.
+
+``blocks`` here is what the work needs (one per tile), bounded by ``max_blocks`` when one is given.
+The kernel bounds it again by one wave of the device it runs on (multiprocessors x 2 blocks, read
+off the device at its first launch; ``odc_kernels.cu``), so by default a push is sized from the
+device; a smaller ``max_blocks`` (the transport's ``push_max_blocks``) leaves SMs to backward's kernels.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 VECTOR = 4  # elements per group
+UNROLL = 4  # groups per thread per tile: must equal kUnroll in ops/csrc/odc_kernels.cu (a test reads it)
 DEFAULT_THREADS = 256
-DEFAULT_MAX_BLOCKS = 16
+DEFAULT_MAX_BLOCKS: Optional[int] = None  # None: one wave of the device (the kernel reads it off the device)
 
 
 @dataclass(frozen=True)
@@ -48,13 +58,19 @@ class PushPlan:
     def edges(self) -> int:
         return self.head + self.tail
 
+    @property
+    def tile_groups(self) -> int:
+        return UNROLL * self.threads
+
 
 def push_plan(dst_address: int, src_address: int, numel: int, acc_itemsize: int, src_itemsize: int, *,
-              threads: int = DEFAULT_THREADS, max_blocks: int = DEFAULT_MAX_BLOCKS) -> PushPlan:
+              threads: int = DEFAULT_THREADS, max_blocks: Optional[int] = DEFAULT_MAX_BLOCKS) -> PushPlan:
     """Split a push of ``numel`` elements (byte addresses of destination and source).
 
     >>> push_plan(1000, 2000, 11, 4, 2)
     PushPlan(numel=11, head=2, groups=2, vector_loads=False, blocks=1, threads=256)
+    >>> push_plan(1024, 2048, 1 << 20, 4, 4).blocks       # 262,144 groups, 1,024 per tile
+    256
     >>> push_plan(1024, 2048, 1 << 20, 4, 4, max_blocks=8).blocks
     8
     """
@@ -64,7 +80,7 @@ def push_plan(dst_address: int, src_address: int, numel: int, acc_itemsize: int,
         raise ValueError(f"gradient element size must be 2 (bf16/fp16) or 4 (fp32), got {src_itemsize}")
     if dst_address % acc_itemsize or src_address % src_itemsize:
         raise ValueError(f"addresses must be element-aligned (destination {dst_address}, source {src_address})")
-    if numel < 0 or threads < 32 or threads > 1024 or max_blocks < 1:
+    if numel < 0 or threads < 32 or threads > 1024 or (max_blocks is not None and max_blocks < 1):
         raise ValueError(f"bad push: numel {numel}, threads {threads}, max_blocks {max_blocks}")
     if acc_itemsize == 4:
         head = min(numel, ((16 - dst_address % 16) % 16) // 4)
@@ -72,23 +88,31 @@ def push_plan(dst_address: int, src_address: int, numel: int, acc_itemsize: int,
         head = 0
     groups = (numel - head) // VECTOR
     vector_loads = groups > 0 and (src_address + head * src_itemsize) % (VECTOR * src_itemsize) == 0
-    work = max(groups, numel - VECTOR * groups)  # threads needed by the busier of the two loops
-    blocks = max(1, min(max_blocks, -(-work // threads)))
+    tiles = -(-groups // (UNROLL * threads))
+    blocks = max(1, tiles if max_blocks is None else min(max_blocks, tiles))
     return PushPlan(numel, head, groups, vector_loads, blocks, threads)
 
 
-def element_visits(plan: PushPlan) -> torch.Tensor:
+def element_visits(plan: PushPlan, blocks: Optional[int] = None) -> torch.Tensor:
     """How many times the kernel's index mapping touches each element (must be exactly once).
 
-    Replays both grid-stride loops of the kernel on the CPU, so the mapping is testable without a GPU.
-    """
+    Replays the kernel's loops on the CPU (tiles strided over ``blocks`` blocks, ``UNROLL`` groups per
+    thread per tile, the edges by the first threads), so the mapping is testable without a GPU.
+    ``blocks``: the grid the kernel really launched (the device's wave may cut the plan's); default
+    the plan's."""
+    blocks = plan.blocks if blocks is None else blocks
     visits = torch.zeros(plan.numel, dtype=torch.int64)
-    stride = plan.blocks * plan.threads
-    for thread in range(min(stride, max(plan.groups, plan.edges))):
-        group = torch.arange(thread, max(thread, plan.groups), stride)
-        for k in range(VECTOR):
-            visits.index_add_(0, plan.head + VECTOR * group + k, torch.ones_like(group))
-        edge = torch.arange(thread, max(thread, plan.edges), stride)
-        index = torch.where(edge < plan.head, edge, plan.head + VECTOR * plan.groups + (edge - plan.head))
-        visits.index_add_(0, index, torch.ones_like(index))
+    tile = plan.tile_groups
+    tiles = -(-plan.groups // tile)
+    # thread t's k-th group of a tile: k * threads + t (the kernel's `first + k * blockDim.x`)
+    within = (torch.arange(UNROLL)[:, None] * plan.threads + torch.arange(plan.threads)[None, :]).flatten()
+    for block in range(blocks):
+        for first in range(block * tile, tiles * tile, blocks * tile):
+            group = first + within
+            group = group[group < plan.groups]
+            for k in range(VECTOR):
+                visits.index_add_(0, plan.head + VECTOR * group + k, torch.ones_like(group))
+    thread = torch.arange(min(plan.edges, blocks * plan.threads))
+    index = torch.where(thread < plan.head, thread, plan.head + VECTOR * plan.groups + (thread - plan.head))
+    visits.index_add_(0, index, torch.ones_like(index))
     return visits

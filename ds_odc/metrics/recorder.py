@@ -89,6 +89,8 @@ class StepRecorder:
         return self._timer
 
     def _mark(self, stream=None):
+        """A new mark. One mark may serve twice (a step's first mark is also a span's start; a micro-batch's
+        end is the next one's start): timers resolve and recycle each distinct mark once (timing.py)."""
         mark = self._get_timer().mark(stream)
         if self._step.first is None:
             self._step.first = mark

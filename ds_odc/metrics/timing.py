@@ -66,12 +66,20 @@ class CudaEventTimer:
         return event
 
     def resolve(self, marks: Sequence) -> List[float]:
+        """Host times of ``marks``; then every distinct event goes back to the free list once.
+
+        A mark may appear several times in ``marks`` (the recorder shares one between the end of a
+        micro-batch and the start of the next, and a step's first mark is also a span's start). Freed
+        once per appearance, one event would sit in the free list twice and be handed to two live marks
+        of a later step: the earlier span would read the later time, and the list would grow each step."""
         self._synchronize()  # every stream's marks have completed
         anchor = self.mark()
         anchor.synchronize()
         now = self._clock()
         times = [now - mark.elapsed_time(anchor) / 1e3 for mark in marks]
-        self._free.extend(marks)
+        distinct = {id(mark): mark for mark in marks}
+        distinct.pop(id(anchor), None)
+        self._free.extend(distinct.values())
         self._free.append(anchor)
         return times
 

@@ -1,7 +1,12 @@
 """JIT-build item of the validation kit: build ds_odc's operators from the *installed* wheel, then check
 that ``python -m ds_odc report`` shows them built and reads their sources from the installed package.
 
-    cd <a directory outside the checkout> && PYTHONPATH=<site> python jit_probe.py --site <site> OP [OP...]
+    cd <a directory outside the checkout> && PYTHONPATH=<site> TORCH_EXTENSIONS_DIR=<fresh> \
+        python jit_probe.py --site <site> --fresh <fresh> OP [OP...]
+
+``--fresh`` is emptied first and must be the extensions folder (``TORCH_EXTENSIONS_DIR``): the build then
+really compiles, whatever earlier items built into the kit's shared folder (an earlier kit's item passed
+without building anything). ``cached_before`` and ``compiled`` say so for each operator.
 
 Run as a file from outside the checkout, so that ``import ds_odc`` cannot find the repository's copy.
 ``OP`` names the operators that must build here (``ds_odc_atomics``, ``ds_odc_cuda_ipc``); any other one
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,8 +27,13 @@ import time
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
+    parser.add_argument("--fresh", help="the extensions folder, emptied first")
     parser.add_argument("required", nargs="+")
     args = parser.parse_args(argv)
+    if args.fresh:
+        if os.path.realpath(os.environ.get("TORCH_EXTENSIONS_DIR", "")) != os.path.realpath(args.fresh):
+            raise SystemExit(f"--fresh {args.fresh} is not TORCH_EXTENSIONS_DIR ({os.environ.get('TORCH_EXTENSIONS_DIR')})")
+        shutil.rmtree(args.fresh, ignore_errors=True)
     import ds_odc.ops_builder as builder
 
     site = os.path.realpath(args.site)
@@ -41,6 +52,7 @@ def main(argv=None) -> int:
                 builder.load_op(spec, verbose=True)
                 entry["build_s"] = round(time.monotonic() - start, 1)
                 entry["directory"] = str(builder.build_directory(spec))
+                entry["compiled"] = not entry["cached_before"] and builder._library_path(spec).exists()
             except Exception as err:  # noqa: BLE001 - reported
                 problems.append(f"{spec.name} did not build: {type(err).__name__}: {err}")
         figures["ops"][spec.name] = entry

@@ -1,5 +1,16 @@
-"""Running validation items: each in its own process group under its own timeout, inside one phase budget,
-with one verdict each, written to ``results.json`` after every item and closed by ``N passed, N failed``.
+"""Running validation items: each in its own process group under its own timeout, inside one command's
+budget, with one verdict each.
+
+Everything streams into the output folder (a device command's files come back even when the command is
+killed at its limit, and then they must say what happened):
+
+* ``results.json`` is rewritten when an item starts (it is listed as ``running``, with its start) and when
+  it ends, so a killed command still names the item that was running;
+* the running item's output goes straight into ``current-item.txt`` there (the item's processes write it
+  themselves, nothing is buffered here); when the item ends it is appended to ``log.txt`` and removed.
+
+Budget (:meth:`Phase.run`): an item starts only if its usual time (``expect_s``) fits in what is left; it
+then runs under ``min(timeout_s, what is left)``, so no hang costs more than its own timeout.
 
 Standard library only: the orchestrating process imports neither torch nor CUDA, so nothing it does can
 leave a CUDA context behind for the items it starts.
@@ -7,13 +18,14 @@ leave a CUDA context behind for the items it starts.
 Verdicts (:class:`Status`): *pass* (ran and met its criterion; for a measurement without a target,
 measured), *fail* (ran and missed it, crashed, or hung past its own timeout), *not measurable on this
 machine* (this machine cannot show it, e.g. NVLink with one GPU: never counted as a pass), *inconclusive*
-(ran but cannot be trusted, e.g. a tool that refused the device, or not run because the phase budget was
-spent or the set-up failed).
+(ran but cannot be trusted, or tested only part of what it should, or not run because the budget could
+not fit it or the set-up failed).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +51,8 @@ class Verdict:
     status: Status
     figures: dict = field(default_factory=dict)
     error: Optional[str] = None
+    said: str = ""
+    """one line printed with a pass (e.g. whether the operator was prebuilt or built)"""
 
 
 @dataclass
@@ -75,6 +89,12 @@ class Item:
     """non-empty: this machine cannot show it (the reason); not run, reported as not measurable"""
     derive: Optional[Callable[[Dict[str, "ItemResult"]], Verdict]] = None
     """instead of a command: a verdict from the results of earlier items (figures one run measured)"""
+    expect_s: float = 20.0
+    """its usual time: it is not started when less than this is left of the budget"""
+    note: str = ""
+    """said with its result, whatever the verdict (e.g. what a pass on this machine does not show)"""
+    required: bool = False
+    """run even when ``--only`` does not name it (the machine, the set-up, the operator)"""
 
 
 @dataclass
@@ -93,10 +113,12 @@ def tail(text: str, chars: int) -> str:
 
 
 def run_command(argv: Sequence[str], timeout_s: float, env: Optional[dict] = None, cwd: Optional[str] = None,
-                output_path: Optional[str] = None, grace_s: float = 5.0) -> Run:
+                output_path: Optional[str] = None, grace_s: float = 5.0,
+                on_start: Optional[Callable[[int], None]] = None) -> Run:
     """Run ``argv`` in a new session (its own process group). At ``timeout_s`` the whole group gets
     SIGTERM, then SIGKILL after ``grace_s``; after a normal exit, whatever the command left running in its
-    group (a forkserver, a rank) is killed too. Output (stdout and stderr) goes to ``output_path``.
+    group (a forkserver, a rank) is killed too. Output (stdout and stderr) goes to ``output_path`` as it
+    comes. ``on_start(pid)`` is called once it runs (its pid is its process group's number).
 
     The leader is reaped only after its group was killed (``waitid(WNOWAIT)`` until then), so the group's
     number cannot have been reused by the time it is signalled."""
@@ -108,12 +130,16 @@ def run_command(argv: Sequence[str], timeout_s: float, env: Optional[dict] = Non
                                        env=env, cwd=cwd, start_new_session=True)
         except OSError as err:
             return Run(None, time.monotonic() - start, f"could not start {argv[0]!r}: {err}")
-        timed_out = not _exited_within(process.pid, timeout_s)
-        if timed_out:
-            _signal_group(process.pid, signal.SIGTERM)
-            _exited_within(process.pid, grace_s)
-        _signal_group(process.pid, signal.SIGKILL)
-        process.wait()
+        try:
+            if on_start is not None:
+                on_start(process.pid)
+            timed_out = not _exited_within(process.pid, timeout_s)
+            if timed_out:
+                _signal_group(process.pid, signal.SIGTERM)
+                _exited_within(process.pid, grace_s)
+        finally:  # also when the kit itself is stopped (SIGTERM, Ctrl-C): nothing of the item outlives it
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
     seconds = time.monotonic() - start
     output = ""
     if output_path != os.devnull:
@@ -141,21 +167,24 @@ def _signal_group(pgid: int, signum: int) -> None:
 
 
 class Phase:
-    """Runs items in order under a total budget, logging to ``log.txt`` and rewriting ``results.json``
-    in ``out`` after each item (a phase stopped from outside still leaves what it has)."""
+    """Runs items in order under a total budget, streaming into ``out`` (the module docstring)."""
+
+    RUNNING = "current-item.txt"
 
     def __init__(self, name: str, out: str, work: str, budget_s: float, header: dict, echo=print,
                  started: Optional[float] = None):
         self.name, self.out, self.work, self.budget_s = name, out, work, budget_s
         self.header = header
         self.results: List[ItemResult] = []
+        self.running: Optional[dict] = None
         self.started = time.monotonic() if started is None else started  # the budget counts from here
         self.echo = echo
         os.makedirs(out, exist_ok=True)
         os.makedirs(work, exist_ok=True)
         self.log_path = os.path.join(out, "log.txt")
         with open(self.log_path, "w") as log:
-            log.write(f"ds_odc GPU validation, phase {name}\n{json.dumps(header, indent=1, default=str)}\n")
+            log.write(f"ds_odc GPU validation, {name}\n{json.dumps(header, indent=1, default=str)}\n")
+        self.write()
 
     @property
     def remaining_s(self) -> float:
@@ -167,25 +196,33 @@ class Phase:
     def skip(self, item: Item, status: Status, reason: str) -> ItemResult:
         return self._record(item, Verdict(status, error=reason), 0.0, None)
 
-    def run(self, item: Item, min_start_s: float = 15.0) -> ItemResult:
+    def run(self, item: Item) -> ItemResult:
         if item.unavailable:
             return self._record(item, Verdict(Status.NOT_MEASURABLE, error=item.unavailable), 0.0, None)
         if item.derive is not None:
             return self._record(item, item.derive(self.by_name()), 0.0, None)
-        if self.remaining_s < min_start_s:
-            return self.skip(item, Status.INCONCLUSIVE, f"not run: the phase's {self.budget_s:.0f} s budget was spent")
+        if self.remaining_s < item.expect_s:
+            return self.skip(item, Status.INCONCLUSIVE, f"not started: it usually takes {item.expect_s:.0f} s and "
+                                                        f"{max(0.0, self.remaining_s):.0f} s of the {self.budget_s:.0f} s "
+                                                        "budget were left (rerun it with --only)")
         scratch = os.path.join(self.work, "items", item.name)
-        os.makedirs(scratch, exist_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # the work folder outlives commands: no stale junit.xml
+        os.makedirs(scratch)
         argv = [part.replace("{scratch}", scratch).replace("{out}", self.out) for part in item.command]
         limit = min(item.timeout_s, self.remaining_s)
         env = {**os.environ, **item.env}
         self.echo(f"[{self.name}] {item.name}: {item.title} (at most {limit:.0f} s)")
-        run = run_command(argv, limit, env=env, cwd=item.cwd, output_path=os.path.join(scratch, "output.txt"))
+        self.running = {"name": item.name, "title": item.title, "status": "running", "command": " ".join(argv),
+                        "limit_s": round(limit, 1), "started_at_s": round(time.monotonic() - self.started, 1),
+                        "output": self.RUNNING}
+        self.write()
+        running_path = os.path.join(self.out, self.RUNNING)
+        run = run_command(argv, limit, env=env, cwd=item.cwd, output_path=running_path, on_start=self._started)
         run.scratch = scratch
         run.stopped_by_budget = run.timed_out and limit < item.timeout_s
         if run.timed_out:
             verdict = Verdict(Status.INCONCLUSIVE if run.stopped_by_budget else Status.FAIL,
-                              error=(f"stopped at the phase budget after {run.seconds:.0f} s" if run.stopped_by_budget
+                              error=(f"stopped at the budget after {run.seconds:.0f} s" if run.stopped_by_budget
                                      else f"timed out after {item.timeout_s:.0f} s (its process group was killed)")
                               + f"; output ends:\n{tail(run.output, 3000)}")
         else:
@@ -193,19 +230,36 @@ class Phase:
                 verdict = item.interpret(run)
             except Exception as err:  # noqa: BLE001 - a broken interpreter is this item's failure, not the kit's
                 verdict = Verdict(Status.FAIL, error=f"reading the result failed: {type(err).__name__}: {err}")
-        return self._record(item, verdict, run.seconds, " ".join(argv), run.output)
+        self.running = None
+        result = self._record(item, verdict, run.seconds, " ".join(argv), run.output)
+        try:
+            os.unlink(running_path)  # its output is in log.txt now
+        except FileNotFoundError:
+            pass
+        return result
+
+    def _started(self, pid: int) -> None:
+        self.running["process_group"] = pid
+        self.write()
 
     def _record(self, item: Item, verdict: Verdict, seconds: float, command: Optional[str], output: str = "") -> ItemResult:
-        result = ItemResult(item.name, item.title, verdict.status, round(seconds, 2), verdict.figures, verdict.error,
+        figures = dict(verdict.figures)
+        if item.note:
+            figures["note"] = item.note
+        if verdict.said:
+            figures["said"] = verdict.said
+        result = ItemResult(item.name, item.title, verdict.status, round(seconds, 2), figures, verdict.error,
                             command)
         self.results.append(result)
         with open(self.log_path, "a") as log:
             log.write(f"\n{'=' * 100}\n{item.name}: {item.title}\ncommand: {command}\n{'-' * 100}\n")
             log.write(_clip(output))
             log.write(f"\n{'-' * 100}\n{item.name}: {verdict.status.text} ({seconds:.1f} s)"
-                      + (f"\n{verdict.error}" if verdict.error else "") + "\n")
+                      + (f"\n{verdict.error}" if verdict.error else "") + (f"\nnote: {item.note}" if item.note else "")
+                      + "\n")
         self.echo(f"[{self.name}] {item.name}: {verdict.status.text} ({seconds:.1f} s)"
-                  + (f" - {verdict.error.splitlines()[0][:200]}" if verdict.error else ""))
+                  + (f" - {verdict.error.splitlines()[0][:200]}" if verdict.error else "")
+                  + (f" - {verdict.said}" if verdict.said else ""))
         self.write()
         return result
 
@@ -218,19 +272,27 @@ class Phase:
 
     def detail_line(self) -> str:
         counts = self.counts()
-        return (f"phase {self.name}: {counts['not_measurable']} not measurable on this machine, "
+        return (f"{self.name}: {counts['not_measurable']} not measurable on this machine, "
                 f"{counts['inconclusive']} inconclusive")
 
     def write(self) -> str:
         path = os.path.join(self.out, "results.json")
-        document = {"phase": self.name, **self.header, "seconds": round(time.monotonic() - self.started, 1),
+        items = [dict(asdict(r), status=r.status.value) for r in self.results]
+        if self.running:
+            items.append(self.running)
+        document = {"command_name": self.name, **self.header, "seconds": round(time.monotonic() - self.started, 1),
                     "budget_s": self.budget_s, "summary": self.counts(), "closing": self.closing_line(),
-                    "items": [dict(asdict(r), status=r.status.value) for r in self.results]}
+                    "rerun": self.rerun_line(), "items": items}
         temporary = path + ".tmp"
         with open(temporary, "w") as out:
             json.dump(document, out, indent=1, default=str)
         os.replace(temporary, path)
         return path
+
+    def rerun_line(self) -> Optional[str]:
+        """The command that reruns what failed or did not finish (None when nothing needs it)."""
+        names = [r.name for r in self.results if r.status in (Status.FAIL, Status.INCONCLUSIVE)]
+        return f"python3 scripts/gpu_validate.py --only {' '.join(names)} --out $OUT" if names else None
 
     def finish(self) -> int:
         """Write the results, print the closing lines; the exit status: 0 when nothing failed."""
@@ -238,6 +300,8 @@ class Phase:
         with open(self.log_path, "a") as log:
             log.write(f"\n{self.detail_line()}\n{self.closing_line()}\n")
         self.echo(self.detail_line())
+        if self.rerun_line():
+            self.echo(f"rerun: {self.rerun_line()}")
         self.echo(self.closing_line())
         sys.stdout.flush()
         return 1 if self.counts()["fail"] else 0

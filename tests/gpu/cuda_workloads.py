@@ -94,3 +94,28 @@ def smoke(name):
             "engine_device": record["engine_device"], "transport": record["transport"],
             "window_device": record["window_device"], "losses": record["losses"],
             "cuda_initialized": torch.cuda.is_initialized()}
+
+
+def offload_param_training(name, stage, micro_batches, steps=3):
+    """``offload_param: {"device": "cpu"}`` with the model on the rank's device (``stage`` "odc" or 3), Adam,
+    unmanaged accumulation, ``micro_batches`` a step: the shards live in host memory, so ODC pulls from and
+    pushes into host windows while forward and backward run on the GPU. Returns where things live and the
+    full fp32 parameters after ``steps`` steps."""
+    CASES[name].device()
+    import deepspeed
+
+    zero = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(stage, gas=1, managed=False, **zero))
+    device = engine.device
+    for step in range(steps):
+        for index in range(micro_batches):
+            x, y, _ = micro_batch(step, 0, index)
+            engine.backward(mse_mean(engine(x.to(device)), y.to(device)))
+        engine.step()
+    odc = getattr(engine.optimizer, "odc", None)
+    record = {"engine_device": str(device), "backend": tdist.get_backend(),
+              "transport": odc.transport.name if odc is not None else None,
+              "window_device": str(odc.transport.local_param_window().device) if odc is not None else None,
+              "params": {k: v.cpu() for k, v in full_params(engine).items()}}
+    engine.destroy()
+    return record

@@ -80,12 +80,15 @@ def test_a_small_grid_strides_over_many_groups(ops):
     assert torch.equal(dst.cpu(), expected)
 
 
-def test_one_large_misaligned_push(ops):
+@pytest.mark.parametrize("max_blocks", [16, None], ids=["16-blocks", "device-wave"])
+def test_one_large_misaligned_push(ops, max_blocks):
+    """16 blocks stride over many tiles; ``None`` (the transport's default) plans one block per tile and the
+    kernel cuts the grid to one wave of the device: blocks stride over tiles either way."""
     numel = 3_000_001
     initial, source = _values(numel + 8, torch.float32, 5), _values(numel + 8, torch.bfloat16, 6)
     dst, src = initial.cuda(), source.cuda()
-    plan = _push(ops, dst[1:1 + numel], src[3:3 + numel])
-    assert plan.head == 3 and plan.blocks == 16
+    plan = _push(ops, dst[1:1 + numel], src[3:3 + numel], max_blocks=max_blocks)
+    assert plan.head == 3 and plan.blocks == (16 if max_blocks else -(-plan.groups // plan.tile_groups))
     torch.cuda.synchronize()
     expected = initial.clone()
     expected[1:1 + numel] += source[3:3 + numel].float()

@@ -12,6 +12,7 @@ import torch
 import ds_odc.comm
 import ds_odc.comm.gpu_topology
 import ds_odc.comm.push_plan
+import ds_odc.ops_builder
 from ds_odc.comm import available_transports, create_transport, select_transport
 from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import element_visits, push_plan
@@ -136,12 +137,21 @@ def test_push_plan_touches_every_element_exactly_once(acc_size, src_size):
                     if plan.vector_loads:
                         assert (src + plan.head * src_size) % (4 * src_size) == 0, where
                     assert 1 <= plan.blocks <= max_blocks, where
+                    # the kernel may launch fewer blocks than planned (one wave of the device): still once each
+                    assert torch.equal(element_visits(plan, blocks=1), torch.ones(numel, dtype=torch.int64)), where
 
 
 def test_push_plan_uses_vector_loads_when_both_sides_align_and_bounds_blocks():
-    plan = push_plan(1 << 20, 1 << 21, 64 << 20, 4, 2)
-    assert plan.head == 0 and plan.tail == 0 and plan.vector_loads and plan.blocks == 16
+    plan = push_plan(1 << 20, 1 << 21, 64 << 20, 4, 2)  # by default one block per tile: the device's wave bounds it
+    assert plan.head == 0 and plan.tail == 0 and plan.vector_loads and plan.blocks == (16 << 20) // (4 * 256)
+    assert push_plan(1 << 20, 1 << 21, 64 << 20, 4, 2, max_blocks=16).blocks == 16
     assert push_plan(1 << 20, (1 << 21) + 2, 1000, 4, 2).vector_loads is False
+
+
+def test_the_plan_and_the_kernel_agree_on_groups_per_thread():
+    """push_plan replays the kernel's tiles: its UNROLL must be the kernel's kUnroll."""
+    source = (ds_odc.ops_builder.OPS_DIR / "csrc" / "odc_kernels.cu").read_text()
+    assert int(re.search(r"constexpr int kUnroll = (\d+);", source).group(1)) == ds_odc.comm.push_plan.UNROLL
 
 
 @pytest.mark.parametrize("args,message", [

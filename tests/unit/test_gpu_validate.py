@@ -1,5 +1,6 @@
 """The validation kit's orchestration (scripts/gpu_validation): timeouts that kill whole process groups,
-the four verdicts, the results file and its closing line, and how each kind of output is read.
+the four verdicts, the budget, what streams into the output folder while an item runs, the results file
+and its closing line, and how each kind of output is read (a pass must mean something was tested).
 Tiny stand-in items (a command that exits 1, one that sleeps past its timeout); no GPU, no DeepSpeed."""
 import json
 import os
@@ -67,28 +68,30 @@ def test_what_a_command_leaves_running_is_killed_when_it_exits(tmp_path):
 
 def test_a_phase_gives_every_item_one_verdict_and_ends_with_the_counts(tmp_path, capsys):
     out, work = str(tmp_path / "out"), str(tmp_path / "work")
-    phase = Phase("correctness", out, work, budget_s=60, header={"environment": {"gpus": 0}})
+    phase = Phase("first command", out, work, budget_s=60, header={"environment": {"gpus": 0}})
 
     def broken(run):
         raise KeyError("figure")
 
     items = [
-        Item("ok", "exits 0", py("print('fine')"), 30),
-        Item("exits-1", "exits 1", py("import sys; sys.exit(1)"), 30),
-        Item("hangs", "sleeps past its timeout", py("import time; time.sleep(60)"), 2),
+        Item("ok", "exits 0", py("print('fine')"), 30, expect_s=1),
+        Item("exits-1", "exits 1", py("import sys; sys.exit(1)"), 30, expect_s=1),
+        Item("hangs", "sleeps past its timeout", py("import time; time.sleep(60)"), 2, expect_s=1),
         Item("one-gpu", "needs two GPUs", unavailable="needs two GPUs; this machine has 1"),
         Item("derived", "read from 'ok'", derive=lambda done: Verdict(done["ok"].status, {"from": "ok"})),
-        Item("unreadable", "its interpreter raises", py("pass"), 30, interpret=broken),
+        Item("unreadable", "its interpreter raises", py("pass"), 30, interpret=broken, expect_s=1),
         Item("figures", "writes a file its interpreter reads",
              py("import json, sys; json.dump({'x': 1.5}, open(sys.argv[1], 'w'))") + ["{scratch}/f.json"], 30,
-             interpret=lambda run: Verdict(Status.PASS, verdicts.read_json(run, "f.json"))),
+             interpret=lambda run: Verdict(Status.PASS, verdicts.read_json(run, "f.json")), expect_s=1,
+             note="what a pass here does not show"),
     ]
     for item in items:
         phase.run(item)
     assert phase.finish() == 1  # something failed
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == "3 passed, 3 failed"
-    assert lines[-2] == "phase correctness: 1 not measurable on this machine, 0 inconclusive"
+    assert lines[-2] == "rerun: python3 scripts/gpu_validate.py --only exits-1 hangs unreadable --out $OUT"
+    assert lines[-3] == "first command: 1 not measurable on this machine, 0 inconclusive"
     with open(os.path.join(out, "results.json")) as handle:
         results = json.load(handle)
     statuses = {item["name"]: item["status"] for item in results["items"]}
@@ -98,21 +101,46 @@ def test_a_phase_gives_every_item_one_verdict_and_ends_with_the_counts(tmp_path,
     assert "timed out after 2 s" in by_name["hangs"]["error"] and by_name["hangs"]["seconds"] < 15
     assert "exit status 1" in by_name["exits-1"]["error"]
     assert "KeyError" in by_name["unreadable"]["error"]
-    assert by_name["figures"]["figures"] == {"x": 1.5} and by_name["derived"]["figures"] == {"from": "ok"}
+    assert by_name["figures"]["figures"] == {"x": 1.5, "note": "what a pass here does not show"}
+    assert by_name["derived"]["figures"] == {"from": "ok"}
     assert results["closing"] == "3 passed, 3 failed" and results["environment"] == {"gpus": 0}
     assert results["summary"] == {"pass": 3, "fail": 3, "not_measurable": 1, "inconclusive": 0}
-    assert sorted(os.listdir(out)) == ["log.txt", "results.json"]
+    assert sorted(os.listdir(out)) == ["log.txt", "results.json"]  # no current-item.txt once nothing runs
     log = open(os.path.join(out, "log.txt")).read()
     assert "fine" in log and all(f"{item.name}: " in log for item in items)
 
 
-def test_items_past_the_phase_budget_are_inconclusive_not_failed(tmp_path):
-    phase = Phase("performance", str(tmp_path / "out"), str(tmp_path / "work"), budget_s=3, header={})
-    first = phase.run(Item("slow", "outlasts the phase", py("import time; time.sleep(60)"), timeout_s=60),
-                      min_start_s=1)
-    second = phase.run(Item("late", "starts after the budget", py("pass"), 30), min_start_s=1)
-    assert first.status == Status.INCONCLUSIVE and "stopped at the phase budget" in first.error
-    assert second.status == Status.INCONCLUSIVE and "budget was spent" in second.error
+def test_the_running_item_streams_its_output_and_is_listed_as_running(tmp_path):
+    """While an item runs, results.json names it (with its process group) and its output is in
+    current-item.txt as it comes: a command killed at its limit still returns both."""
+    code = """
+        import json, os, sys
+        print("first line of the item", flush=True)
+        out = sys.argv[1]
+        listed = json.load(open(os.path.join(out, "results.json")))["items"][-1]
+        streamed = open(os.path.join(out, "current-item.txt")).read()
+        print("SEEN " + json.dumps({"listed": listed, "streamed": streamed}), flush=True)
+    """
+    phase = Phase("first command", str(tmp_path / "out"), str(tmp_path / "work"), budget_s=60, header={})
+    result = phase.run(Item("peeks", "reads the output folder while it runs", py(code) + ["{out}"], 30,
+                            interpret=lambda run: Verdict(Status.PASS, verdicts.tagged_json(run.output, "SEEN")),
+                            expect_s=1))
+    seen = result.figures
+    assert seen["listed"]["name"] == "peeks" and seen["listed"]["status"] == "running"
+    assert seen["listed"]["output"] == "current-item.txt" and seen["listed"]["process_group"] > 0
+    assert seen["streamed"] == "first line of the item\n"
+    assert not os.path.exists(tmp_path / "out" / "current-item.txt")  # moved into log.txt at the end
+    assert "first line of the item" in open(tmp_path / "out" / "log.txt").read()
+
+
+def test_an_item_that_cannot_finish_in_what_is_left_is_not_started_and_a_started_one_is_cut_at_the_budget(tmp_path):
+    phase = Phase("first command", str(tmp_path / "out"), str(tmp_path / "work"), budget_s=4, header={})
+    marker = tmp_path / "ran"
+    too_long = phase.run(Item("too-long", "usually takes 10 s", py(f"open({str(marker)!r}, 'w')"), 30, expect_s=10))
+    assert too_long.status == Status.INCONCLUSIVE and "not started" in too_long.error and "--only" in too_long.error
+    assert not marker.exists()
+    cut = phase.run(Item("slow", "outlasts the budget", py("import time; time.sleep(60)"), 60, expect_s=1))
+    assert cut.status == Status.INCONCLUSIVE and "stopped at the budget" in cut.error and cut.seconds < 15
     assert phase.finish() == 0 and phase.closing_line() == "0 passed, 0 failed"
 
 
@@ -129,9 +157,14 @@ def junit_run(tmp_path, returncode, extra=""):
 
 
 def test_pytest_results(tmp_path):
+    """A pass only when every selected test ran: some skipped is inconclusive."""
     verdict = verdicts.pytest_verdict(junit_run(tmp_path, 0))
-    assert verdict.status == Status.PASS and verdict.figures["passed"] == 1 and verdict.figures["skipped"] == 1
-    assert verdict.figures["skip_reasons"] == ["needs a CUDA device"]
+    assert verdict.status == Status.INCONCLUSIVE and verdict.figures["passed"] == 1 and verdict.figures["skipped"] == 1
+    assert verdict.figures["skip_reasons"] == ["needs a CUDA device"] and "1 of 2 selected tests" in verdict.error
+    only_passed = JUNIT.format(extra="").replace('<testcase classname="tests.gpu.test_a" name="test_skip" time="0">'
+                                                 '<skipped message="needs a CUDA device"/></testcase>', "")
+    (tmp_path / "junit.xml").write_text(only_passed)
+    assert verdicts.pytest_verdict(Run(0, 1.0, "", scratch=str(tmp_path))).status == Status.PASS
     failure = ('<testcase classname="tests.gpu.test_a" name="test_bad" time="2">'
                '<failure message="assert 1 == 2">tb</failure></testcase>')
     verdict = verdicts.pytest_verdict(junit_run(tmp_path, 1, failure))
@@ -146,32 +179,86 @@ def test_pytest_results(tmp_path):
     assert crashed.status == Status.FAIL and "Segmentation fault" in crashed.error
 
 
-@pytest.mark.parametrize("output,returncode,expected", [
-    ("========= ERROR SUMMARY: 0 errors\n========= ERROR SUMMARY: 0 errors\n", 0, Status.PASS),
-    ("========= Invalid __global__ write of size 4 bytes\n========= ERROR SUMMARY: 3 errors\n", 99, Status.FAIL),
-    ("========= Error: Device not supported\n========= ERROR SUMMARY: 0 errors\n", 0, Status.INCONCLUSIVE),
-    ("python: no such file\n", 1, Status.INCONCLUSIVE),
-    ("========= ERROR SUMMARY: 0 errors\n", 1, Status.INCONCLUSIVE),
-], ids=["clean", "errors", "refused", "no-summary", "run-failed"])
-def test_compute_sanitizer_results(output, returncode, expected):
-    assert verdicts.sanitizer_verdict(Run(returncode, 1.0, output)).status == expected
+PASSED_ONLY = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="1">
+<testcase classname="tests.gpu.test_push_kernel" name="test_sweep" time="3"/></testsuite></testsuites>"""
+SKIPPED_ONLY = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="1">
+<testcase classname="tests.gpu.test_push_kernel" name="test_sweep" time="0"><skipped message="no CUDA"/></testcase>
+</testsuite></testsuites>"""
 
 
-def bandwidth_run(tmp_path, pull, push):
-    rows = [{"mib": mib, "copy_gbps": 1000.0, "peer_copy_gbps": None, "pull_gbps": pull * 1000, "push_blocks": blocks,
-             "push_fp32_gbps": push * 1000 * blocks / 16, "push_bf16_gbps": 1.0} for mib in (16, 64, 256)
-            for blocks in (8, 16)]
-    (tmp_path / "bandwidth.json").write_text(json.dumps({"device": "H100", "gpus": 1, "command": "c", "rows": rows,
+@pytest.mark.parametrize("output,returncode,junit,expected", [
+    ("========= ERROR SUMMARY: 0 errors\n========= ERROR SUMMARY: 0 errors\n", 0, PASSED_ONLY, Status.PASS),
+    ("========= ERROR SUMMARY: 0 errors\n", 0, SKIPPED_ONLY, Status.INCONCLUSIVE),
+    ("========= ERROR SUMMARY: 0 errors\n", 0, None, Status.INCONCLUSIVE),
+    ("========= Invalid __global__ write of size 4 bytes\n========= ERROR SUMMARY: 3 errors\n", 99, PASSED_ONLY,
+     Status.FAIL),
+    ("========= Error: Device not supported\n========= ERROR SUMMARY: 0 errors\n", 0, PASSED_ONLY, Status.INCONCLUSIVE),
+    ("python: no such file\n", 1, None, Status.INCONCLUSIVE),
+    ("========= ERROR SUMMARY: 0 errors\n", 1, PASSED_ONLY, Status.INCONCLUSIVE),
+], ids=["clean", "clean-but-every-test-skipped", "clean-but-no-test-report", "errors", "refused", "no-summary",
+        "run-failed"])
+def test_compute_sanitizer_results(tmp_path, output, returncode, junit, expected):
+    """0 errors over tests that were all skipped checked nothing: not a pass."""
+    if junit:
+        (tmp_path / "junit.xml").write_text(junit)
+    assert verdicts.sanitizer_verdict(Run(returncode, 1.0, output, scratch=str(tmp_path))).status == expected
+
+
+def bandwidth_run(tmp_path, push_over_add, gpus=1, pull_over_peer=None):
+    """Rows as benchmarks/gpu_transport.py writes them: the best block count reaches ``push_over_add``."""
+    rows = []
+    for mib in (16, 64, 256):
+        for blocks, share in (("auto", 1.0), (132, 0.5)):
+            rows.append({"mib": mib, "copy_gbps": 2000.0, "peer_copy_gbps": 400.0 if gpus > 1 else None,
+                         "pull_gbps": 400.0 * (pull_over_peer or 1.0) if gpus > 1 else 1900.0, "push_blocks": blocks,
+                         "add_fp32_s": 1.0, "add_bf16_s": 1.0, "push_fp32_s": 1.0 / (push_over_add * share),
+                         "push_bf16_s": 1.0, "push_fp32_gbps": 1.0, "add_fp32_gbps": 1.0})
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"device": "H100", "gpus": gpus, "command": "c", "rows": rows,
                                                          "gemm": [], "own_gemm": None}))
     return Run(0, 1.0, "", scratch=str(tmp_path))
 
 
-def test_bandwidth_targets_at_64_mib_and_above_with_the_best_push_blocks(tmp_path):
-    verdict = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, pull=0.95, push=0.85))
-    assert verdict.status == Status.PASS and verdict.figures["push_over_copy"] == pytest.approx(0.85)
-    assert verdict.figures["by_size"]["64"]["blocks"] == 16 and "same GPU" in verdict.figures["what"]
-    verdict = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, pull=0.5, push=0.85))
-    assert verdict.status == Status.FAIL and verdict.error.startswith("pull reaches 50% of copy bandwidth")
+def test_push_is_held_against_a_local_add_and_pull_is_not_measurable_on_one_gpu(tmp_path):
+    """Issue 26, item 6: a push moves what acc.add_(grad) moves (a copy moves 2/3 of it, so push/copy could
+    never reach 80%); on one GPU a pull is a device-to-device copy, so its ratio is not measured."""
+    verdict = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, push_over_add=0.85))
+    assert verdict.status == Status.PASS and verdict.figures["push_over_add"] == pytest.approx(0.85)
+    assert verdict.figures["by_size"]["64"]["blocks"] == "auto"
+    assert verdict.figures["pull_over_copy"].startswith("not measurable on one GPU")
+    verdict = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, push_over_add=0.7))
+    assert verdict.status == Status.FAIL and verdict.error.startswith("push reaches 70% of a local add")
+    two = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, push_over_add=0.9, gpus=2, pull_over_peer=0.5))
+    assert two.status == Status.FAIL and "pull reaches 50% of a peer copy" in two.error
+
+
+def overlap_run(tmp_path, timing="cuda-events", ratio=1.02, pull=0.9, push=0.85, pull_busy=2.0):
+    data = {"timing": timing, "timeline_over_host": ratio, "pull": {"busy_s": pull_busy, "hidden_fraction": pull},
+            "push": {"busy_s": 1.0, "hidden_fraction": push}}
+    (tmp_path / "overlap.json").write_text(json.dumps(data))
+    return Run(0, 1.0, "", scratch=str(tmp_path))
+
+
+def test_the_overlap_verdict_needs_a_sound_timeline_and_meets_the_target(tmp_path):
+    """Issue 26, item 5: the verdict passed whatever came out (a timeline of 32 s for a 21 s run)."""
+    assert verdicts.overlap_verdict(overlap_run(tmp_path)).status == Status.PASS
+    wrong = verdicts.overlap_verdict(overlap_run(tmp_path, ratio=32 / 21))
+    assert wrong.status == Status.FAIL and "not sound" in wrong.error and "1.52x" in wrong.error
+    assert verdicts.overlap_verdict(overlap_run(tmp_path, pull_busy=0.0)).status == Status.FAIL
+    assert verdicts.overlap_verdict(overlap_run(tmp_path, push=1.3)).status == Status.FAIL
+    short = verdicts.overlap_verdict(overlap_run(tmp_path, push=0.5))
+    assert short.status == Status.FAIL and "push: 50% hidden (target 80%)" in short.error
+    assert verdicts.overlap_verdict(overlap_run(tmp_path, timing="host")).status == Status.INCONCLUSIVE
+
+
+def test_a_jit_item_that_compiled_nothing_fails():
+    """Issue 26, item 4: the operator was already in the folder, and the item passed."""
+    figures = {"problems": [], "ops": {"ds_odc_cuda_ipc": {"required": True, "cached_before": True, "build_s": 0.1,
+                                                           "directory": "d", "compiled": False}}}
+    verdict = verdicts.jit_verdict(Run(0, 1.0, "JIT_PROBE " + json.dumps(figures)))
+    assert verdict.status == Status.FAIL and "nothing was compiled" in verdict.error
+    figures["ops"]["ds_odc_cuda_ipc"].update(cached_before=False, compiled=True, build_s=31.0)
+    verdict = verdicts.jit_verdict(Run(0, 1.0, "JIT_PROBE " + json.dumps(figures)))
+    assert verdict.status == Status.PASS and "compiled in 31.0 s" in verdict.said
 
 
 def test_gemm_slowdown_target():
@@ -193,10 +280,96 @@ def test_a_carried_wheel_that_differs_from_its_manifest_is_named(tmp_path):
         check_manifest(str(wheels))
 
 
-def test_the_command_line_refuses_a_performance_smoke_run():
+# -- the machine, the operator, the item lists --------------------------------------------------------
+def smi(rows):
+    return lambda argv: (0, "\n".join(", ".join(row) for row in rows))
+
+
+def test_compute_mode_and_mig_are_read_and_exclusive_mode_makes_shared_gpu_items_not_measurable():
+    """Issue 26, item 12: in Exclusive_Process mode several ranks cannot share the GPU; say so, never fail."""
+    from gpu_validation import environment, items
+
+    view = environment.nvidia_smi_view(smi([["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "Exclusive_Process",
+                                             "Disabled"]]))
+    assert view["driver"] == "580.159.04" and view["compute_modes"] == ["Exclusive_Process"] and view["mig"] == ["Disabled"]
+    machine = {**view, "gpus": 1, "mps": False}
+    machine["sharing"] = environment.sharing(machine)
+    assert machine["sharing"]["shared"] is False and "Exclusive_Process" in machine["sharing"]["why"]
+    ctx = items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=False, machine=machine)
+    by_name = {item.name: item for item in items.first(ctx) + items.second(ctx)}
+    assert "Exclusive_Process" in by_name["conformance-core"].unavailable
+    assert "Exclusive_Process" in by_name["overlap"].unavailable
+    assert by_name["kernel-sweep"].unavailable == "" and by_name["smoke"].unavailable == ""  # one process each
+    default = {**machine, "compute_modes": ["Default"], "mig": ["Enabled"]}
+    default["sharing"] = environment.sharing(default)
+    ctx = items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=False, machine=default)
+    by_name = {item.name: item for item in items.first(ctx)}
+    assert by_name["conformance-core"].unavailable == "" and "MIG" in by_name["bandwidth"].note
+
+
+def test_ranks_time_sliced_on_one_gpu_are_said_to_be(tmp_path):
+    """Issue 26, item 13: without MPS a pass of concurrent pushes on one GPU does not show concurrency."""
+    from gpu_validation import items
+
+    machine = {"gpus": 1, "sharing": {"shared": True, "why": "", "time_sliced": True, "mig": False}}
+    ctx = items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=False, machine=machine)
+    core = next(item for item in items.first(ctx) if item.name == "conformance-core")
+    assert "time-slices" in core.note and "not pushes executing concurrently" in core.note
+    machine["sharing"]["time_sliced"] = False  # MPS
+    core = next(item for item in items.first(ctx) if item.name == "conformance-core")
+    assert core.note == ""
+
+
+def test_the_first_command_runs_in_the_order_of_what_it_tells_and_no_item_may_hang_long():
+    from gpu_validation import items
+
+    machine = {"gpus": 1, "sharing": {"shared": True, "why": "", "time_sliced": True, "mig": False},
+               "compute_sanitizer": "/usr/local/cuda/bin/compute-sanitizer"}
+    ctx = items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=False, machine=machine)
+    first, second = items.first(ctx), items.second(ctx)
+    assert [i.name for i in items.preamble(ctx) + first] == [
+        "setup", "cuda-op", "kernel-sweep", "smoke", "conformance-core", "conformance-edges", "parity-2-fp32",
+        "parity-4-bf16-token", "fault-push", "bandwidth", "overlap"]
+    assert "harness" not in [i.name for i in first + second]  # CPU forkserver plumbing: CI's, not the device's
+    every = [items.machine_item(ctx)] + items.preamble(ctx) + first + second
+    assert max(i.timeout_s for i in every) <= items.HANG_S == 90
+    assert sum(i.expect_s for i in every if i in first or i.required) <= 330
+    for item in every:  # every pytest item imports the installed wheel, from the copy of the tests
+        if item.command and "pytest" in item.command:
+            assert item.cwd == ctx.suite and "kit_installed_check" in item.command, item.name
+            assert item.env["ODC_KIT_SITE"] == ctx.site and item.env["PYTHONPATH"].startswith(ctx.site)
+    assert [i.name for i in items.select(first + second, ["bandwidth", "nccl-one-rank"])] == ["bandwidth",
+                                                                                               "nccl-one-rank"]
+    with pytest.raises(SystemExit, match="no item named"):
+        items.select(first, ["harness"])
+
+
+def test_the_prebuilt_operator_is_used_only_when_its_fingerprint_matches(tmp_path):
+    """scripts/gpu_validation/cuda_op.py: every field that differs is named; a matching one is used."""
+    import hashlib
+
+    from gpu_validation.cuda_op import mismatch
+
+    library = tmp_path / "ds_odc_cuda_ipc.so"
+    library.write_bytes(b"\x7fELF built here")
+    prebuilt = {"sources": "abc", "torch_tag": "py312_torch2.11.0_cu130", "archs": ["8.0", "9.0"],
+                "sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
+    here = {"sources": "abc", "torch_tag": "py312_torch2.11.0_cu130", "arch": "9.0"}
+    assert mismatch(prebuilt, str(library), here) == []
+    found = mismatch(prebuilt, str(library), {**here, "sources": "def", "arch": "10.0"})
+    assert any("sources: prebuilt abc, here def" in f for f in found) and any("10.0" in f for f in found)
+    library.write_bytes(b"truncated")
+    assert any("sha256 differs" in f for f in mismatch(prebuilt, str(library), here))
+
+
+def test_the_command_line():
     import gpu_validate
 
+    assert gpu_validate.parse_args(["--out", "x"]).wheels.endswith(".gpu_kit/wheels")
+    assert gpu_validate.parse_args(["--out", "x"]).prebuilt.endswith(".gpu_kit/ops")
+    assert gpu_validate.parse_args(["--cpu-smoke", "--out", "x"]).wheels is None
+    args = gpu_validate.parse_args(["--second", "--budget", "200", "--only", "smoke", "jit-build", "--out", "x"])
+    assert args.second and args.budget == 200 and args.only == ["smoke", "jit-build"]
     with pytest.raises(SystemExit):
-        gpu_validate.parse_args(["--cpu-smoke", "--phase", "performance", "--out", "x"])
-    assert gpu_validate.parse_args(["--cpu-smoke", "--out", "x"]).phase == "correctness"
-    assert gpu_validate.parse_args(["--phase", "performance", "--out", "x"]).wheels.endswith(".gpu_kit/wheels")
+        gpu_validate.parse_args([])  # no --out
+    assert gpu_validate.FIRST_BUDGET_S == 330 and gpu_validate.SECOND_BUDGET_S <= 300

@@ -226,3 +226,41 @@ def test_timeline_plot_draws_side_stream_work(fake_clock, gpu_recorder, tmp_path
     path = plot_timelines({"ODC on GPU": [recorder.last]}, str(tmp_path / "gpu.png"))
     with open(path, "rb") as png:
         assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def uneven_step(recorder, gpu, clock, micro_batches):
+    """A step whose micro-batches run back to back on the device, the next one's forward closing the last
+    (torch-style ``loss.backward()``: one mark ends one micro-batch and starts the next), then 1 s of
+    optimizer step. The device clock and the host clock agree here (anchor at device time = host time)."""
+    def run(seconds):
+        gpu.at["compute"] += seconds
+    for seconds in micro_batches:
+        recorder.begin_micro_batch()
+        run(seconds)
+    with recorder.optimizer_step():  # closes the last micro-batch
+        run(1.0)
+        clock.now = 200.0 + gpu.at["compute"]
+        gpu.anchor = gpu.at["compute"]
+
+
+def test_shared_and_first_marks_resolve_once_and_steps_of_more_marks_stay_right(fake_clock, gpu_recorder):
+    """Issue 26, item 5: a step's first mark is also a span's start, and one mark ends a micro-batch and
+    starts the next. Returned to the free list once per use, one event came back twice: a step with more
+    marks than the one before then recorded two live marks on one event (the earlier span took the later
+    time) and the free list grew every step."""
+    recorder, gpu = gpu_recorder
+    timer = recorder._get_timer()
+    schedule = [[2.0], [1.0, 3.0, 0.5], [4.0, 1.5], [0.25] * 6, [2.0]] * 4
+    free = []
+    for micro_batches in schedule:
+        uneven_step(recorder, gpu, fake_clock, micro_batches)
+        report = recorder.last
+        assert report.compute_s == pytest.approx(tuple(micro_batches)), (micro_batches, report.events)
+        assert report.wall_s == pytest.approx(sum(micro_batches) + 1.0)
+        assert report.optimizer_s == pytest.approx(1.0) and report.other_s == pytest.approx(0.0)
+        free.append(len(timer._free))
+    assert len({id(event) for event in timer._free}) == len(timer._free), "an event is in the free list twice"
+    assert free[-5:] == free[5:10]  # the same schedule again: no growth from step to step
+    assert max(free) <= 6 + 3 + 1  # the largest step's distinct marks (6 starts, the last end, the optimizer's two) + anchor
+    total = sum(r.wall_s for r in recorder.reports)
+    assert total == pytest.approx(sum(sum(m) + 1.0 for m in schedule))
