@@ -17,7 +17,8 @@ script only):
 
 Reported, over the measured steps of every rank: how far the timeline's step length is from the host's
 clock around the same step (``timeline_over_host``, the ratio farthest from 1: a sound timeline is near 1),
-the fraction of pull and of push time that overlaps compute (``ds_odc.metrics.overlap``: micro-batches less the stalls charged inside them), the median
+the fraction of pull and of push time that overlaps compute (``ds_odc.metrics.overlap``: micro-batches less the
+stalls charged inside them), the median
 step, utilisation, and a timeline PNG of the last two steps. Two ranks on one GPU share its SMs: the
 figures say how much transfer is hidden behind this rank's own compute on a shared GPU, not on a GPU
 of its own.

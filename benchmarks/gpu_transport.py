@@ -111,7 +111,7 @@ def _bandwidth_rows(transport, args, peer_gpu):
         numel = nbytes // 4  # accumulator elements: the accumulator is `size` MiB of fp32
         grads = {"fp32": torch.randn(numel, device=device), "bf16": torch.randn(numel, device=device).bfloat16()}
         acc = torch.zeros(numel, device=device)
-        add = {k: _timed(lambda g=g: acc.add_(g), args.iters) for k, g in grads.items()}
+        add = {k: _timed(lambda g=g, acc=acc: acc.add_(g), args.iters) for k, g in grads.items()}
         del acc
         for blocks in args.push_blocks:
             transport.push_max_blocks = blocks

@@ -111,9 +111,9 @@ def sass_loops(sass: str) -> List[Loop]:
     for name, body in _bodies(sass, re.compile(r"Function : (\S+)")).items():
         lines = [line for line in body.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
         address = [int(re.search(r"/\*([0-9a-f]{4})\*/", line)[1], 16) for line in lines]
-        back = next((i for i, line in enumerate(lines) if (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))",
-                                                                          line)) and m[1] and int(m[1], 16) < address[i]),
-                    len(lines) - 1)
+        branch = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+        back = next((i for i, line in enumerate(lines)
+                     if (m := branch.search(line)) and m[1] and int(m[1], 16) < address[i]), len(lines) - 1)
         loop = lines[:back + 1]
         loads = [i for i, line in enumerate(loop) if re.search(r"\bLDG\b", line)]
         reds = [i for i, line in enumerate(loop) if re.search(r"\bREDG?\b", line)]
@@ -177,8 +177,9 @@ def main(argv=None) -> int:
                 failures += problems(loops, arch, what)
                 for loop in sorted(loops, key=lambda x: x.kernel):
                     print(f"sm_{arch} {what:4} {loop.kernel:22} loads before the first reduction: "
-                          f"{loop.loads_before_first_reduction:2} ({loop.load_width_bits}-bit), reductions in the loop: "
-                          f"{loop.reductions:2} ({loop.vector_reductions} x 16-byte), fences: {loop.fences}")
+                          f"{loop.loads_before_first_reduction:2} ({loop.load_width_bits}-bit), "
+                          f"reductions in the loop: {loop.reductions:2} ({loop.vector_reductions} x 16-byte), "
+                          f"fences: {loop.fences}")
                     if args.show and args.show in loop.kernel:
                         print(loop.text)
     if not tool:

@@ -53,8 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="folder for results.json, log.txt, current-item.txt and the figures")
     parser.add_argument("--second", action="store_true", help="the second command (only if time is left)")
     parser.add_argument("--cpu-smoke", action="store_true", help="on CPU ranks (shm): the kit's plumbing, for CI")
-    parser.add_argument("--budget", type=float, help=f"seconds for the whole command (default {FIRST_BUDGET_S:.0f}; "
-                                                     f"--second {SECOND_BUDGET_S:.0f}; --cpu-smoke {SMOKE_BUDGET_S:.0f})")
+    parser.add_argument("--budget", type=float,
+                        help=f"seconds for the whole command (default {FIRST_BUDGET_S:.0f}; "
+                             f"--second {SECOND_BUDGET_S:.0f}; --cpu-smoke {SMOKE_BUDGET_S:.0f})")
     parser.add_argument("--only", nargs="+", help="run only these items (of either command), after the machine, "
                                                   "set-up and operator items")
     parser.add_argument("--list", action="store_true", help="list both commands' items and exit")

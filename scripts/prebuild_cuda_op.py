@@ -103,7 +103,8 @@ def python_include() -> str:
 def nvcc() -> tuple:
     """(path, version) of nvcc: CUDA_HOME's, else the one on PATH (resolved through a wrapper script)."""
     home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    path = os.path.join(home, "bin", "nvcc") if os.path.exists(os.path.join(home, "bin", "nvcc")) else shutil.which("nvcc")
+    path = os.path.join(home, "bin", "nvcc")
+    path = path if os.path.exists(path) else shutil.which("nvcc")
     if not path:
         return None, None
     out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
@@ -131,8 +132,8 @@ def build(torch_dir: str, py_include: str, nvcc_path: str, out_dir: str, scratch
     kernels, binding = os.path.join(scratch, "odc_kernels.cuda.o"), os.path.join(scratch, "odc_ops.o")
     run([nvcc_path, *common, *NVCC_FLAGS, *gencode, "--compiler-options", "-fPIC", "-O3", "-std=c++17", "-c",
          str(OPS_DIR / "csrc" / "odc_kernels.cu"), "-o", kernels])
-    run([os.environ.get("CXX", "c++"), *common, "-fPIC", "-std=c++17", "-O3", "-c", str(OPS_DIR / "csrc" / "odc_ops.cpp"),
-         "-o", binding])
+    run([os.environ.get("CXX", "c++"), *common, "-fPIC", "-std=c++17", "-O3", "-c",
+         str(OPS_DIR / "csrc" / "odc_ops.cpp"), "-o", binding])
     library = os.path.join(out_dir, f"{CUDA_IPC.name}.so")
     run([os.environ.get("CXX", "c++"), kernels, binding, "-shared", f"-L{os.path.join(torch_dir, 'lib')}",
          *[f"-l{name}" for name in LIBS], f"-L{os.path.join(cuda_home, 'lib64')}", "-lcudart", "-o", library])

@@ -32,8 +32,17 @@ import torch.distributed as tdist
 from ds_odc.comm.control import ControlBlock, State, block_words
 from ds_odc.comm.locks import LockFile, holds_life_lock
 from ds_odc.comm.ordering import memory_ordering
-from ds_odc.comm.segments import (CleanupOnSignal, SegmentSpaceError, create_reserved, free_bytes, map_segment,
-                                  segment_path, session_paths, sweep_orphans, unlink_quietly)
+from ds_odc.comm.segments import (
+    CleanupOnSignal,
+    SegmentSpaceError,
+    create_reserved,
+    free_bytes,
+    map_segment,
+    segment_path,
+    session_paths,
+    sweep_orphans,
+    unlink_quietly,
+)
 from ds_odc.comm.topology import Topology
 from ds_odc.errors import ODCConfigError, ODCPeerError
 

@@ -27,8 +27,14 @@ import torch
 from ds_odc.comm.allocation import NodeAllocation, no_room
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
 from ds_odc.comm.locks import LockFile
-from ds_odc.comm.segments import (CleanupOnSignal, SegmentSpaceError, create_reserved, map_segment, segment_path,
-                                  unlink_quietly)
+from ds_odc.comm.segments import (
+    CleanupOnSignal,
+    SegmentSpaceError,
+    create_reserved,
+    map_segment,
+    segment_path,
+    unlink_quietly,
+)
 from ds_odc.comm.transport import Transport, WindowSpec
 from ds_odc.comm.wording import NUMBERS, Wording
 

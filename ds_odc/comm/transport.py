@@ -135,7 +135,7 @@ class Transport(abc.ABC):
         """Map every peer's windows of ``kinds`` that :meth:`recreate_own_windows` published."""
         raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")
 
-    def windows_mapped(self, kinds: Collection[str]) -> None:
+    def windows_mapped(self, kinds: Collection[str]) -> None:  # noqa: B027 - most transports have nothing to drop
         """Every rank mapped the new windows: drop whatever let peers find them (shm: the files)."""
 
     @abc.abstractmethod

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (imports the stage-3 class itself)
-import torch
 import deepspeed.runtime.zero.stage3 as ds_stage3
+import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import logger

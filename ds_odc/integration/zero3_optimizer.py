@@ -139,7 +139,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if len({p.ds_id for p in bucket.params}) != len(bucket.params):  # ZeRO-3 asserts the same
             twice = sorted({p.ds_id for p in bucket.params if bucket.params.count(p) > 1})
             raise RuntimeError(f"parameters {twice} reached ZeRO-3's gradient bucket twice in one backward (a ZeRO-3 "
-                               "leaf module run more than once per forward?): their gradients cannot be pushed once each")
+                               "leaf module run more than once per forward?): their gradients cannot be pushed once "
+                               "each")
         # On GPU, push on ZeRO-3's reduce side stream, where its reduce-scatter ran: the bucket was filled
         # on that stream, its next fill is ordered after these pushes, and compute does not wait for them.
         stream = self.reduce_and_partition_stream  # None on CPU
@@ -175,7 +176,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         squares = []
         for sub_group in self.fp16_groups:
             norms = [g.to(get_norm_dtype()).norm(2) for g in windows.accumulator_views(self, sub_group)]
-            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms else torch.zeros((), dtype=torch.float64))
+            squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms
+                           else torch.zeros((), dtype=torch.float64))
         return torch.stack(squares).to(torch.float64).cpu()
 
     def _odc_stage_offload_grads(self) -> None:

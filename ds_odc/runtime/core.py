@@ -20,7 +20,6 @@ from ds_odc.runtime.ledger import FENCE_WIDTH, MicroBatchLedger, Normalisation, 
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
 from ds_odc.runtime.vocabulary import RoundKind
 
-
 #: The most values :meth:`ODCRuntime.exchange_values` carries in one round.
 VALUES_WIDTH = 8
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import enum
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -72,6 +71,7 @@ from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
+from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import WindowStash, describe, disagreement, mask
 from ds_odc.runtime.vocabulary import Activity, RoundKind
 
@@ -79,79 +79,6 @@ _EMPTY = torch.zeros(0, dtype=torch.float64)
 #: The rounds outside a step that read or write a window, and which one.
 _ROUND_NEEDS = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
                 RoundKind.GRADIENT_NORM: {"grads"}}
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    ACCUMULATING = "accumulating"
-    FENCING = "fencing"
-    NORMING = "norming"
-    UPDATING = "updating"
-    PUBLISHING = "publishing"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-class Event(enum.Enum):
-    PULL = "a parameter pull"
-    PUSH = "a gradient push"
-    BEGIN_STEP = "an optimizer step"
-    FENCED = "the end of the step fence"
-    NORMED = "the end of the gradient-norm exchange"
-    UPDATED = "the end of the optimizer update"
-    PUBLISHED = "the end of publishing"
-    MEET = "a rendezvous round outside a step"
-    DISCARD = "discarding gradients outside a step"
-    FAIL = "a failure"
-    CLOSE = "closing"
-
-
-_BETWEEN_STEPS = (Phase.IDLE, Phase.ACCUMULATING)
-TRANSITIONS = {
-    (Phase.IDLE, Event.PULL): Phase.IDLE,
-    (Phase.ACCUMULATING, Event.PULL): Phase.ACCUMULATING,
-    (Phase.IDLE, Event.PUSH): Phase.ACCUMULATING,
-    (Phase.ACCUMULATING, Event.PUSH): Phase.ACCUMULATING,
-    (Phase.IDLE, Event.BEGIN_STEP): Phase.FENCING,
-    (Phase.ACCUMULATING, Event.BEGIN_STEP): Phase.FENCING,
-    (Phase.FENCING, Event.FENCED): Phase.NORMING,
-    (Phase.NORMING, Event.NORMED): Phase.UPDATING,
-    (Phase.UPDATING, Event.UPDATED): Phase.PUBLISHING,
-    (Phase.PUBLISHING, Event.PUBLISHED): Phase.IDLE,
-    (Phase.IDLE, Event.MEET): Phase.IDLE,
-    (Phase.ACCUMULATING, Event.MEET): Phase.ACCUMULATING,
-    (Phase.IDLE, Event.DISCARD): Phase.IDLE,
-    (Phase.ACCUMULATING, Event.DISCARD): Phase.IDLE,
-    **{(phase, Event.FAIL): Phase.FAILED for phase in Phase if phase is not Phase.CLOSED},
-    **{(phase, Event.CLOSE): Phase.CLOSED for phase in Phase},
-}
-
-#: Where a failure in each phase happened, for the failure record.
-_WHERE = {Phase.FENCING: RoundKind.FENCE.text, Phase.NORMING: RoundKind.NORM.text,
-          Phase.UPDATING: "the optimizer update", Phase.PUBLISHING: RoundKind.PUBLISH.text}
-
-_HINTS = {
-    Event.PULL: "the owners are rewriting their shards; forward only between optimizer steps",
-    Event.PUSH: "gradients of this step were already fenced; call backward before engine.step()",
-    Event.BEGIN_STEP: "a step is already in progress on this rank",
-    Event.MEET: "rounds outside a step cannot run inside one",
-    Event.DISCARD: "gradients cannot be discarded inside an optimizer step",
-}
-
-
-class StepStateMachine:
-    """The phase of this rank's step protocol; every change goes through :data:`TRANSITIONS`."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.IDLE
-
-    def advance(self, event: Event) -> Phase:
-        following = TRANSITIONS.get((self.phase, event))
-        if following is None:
-            hint = _HINTS.get(event, "the step protocol's rounds must run in order")
-            raise ODCStateError(f"{event.value} is not allowed in phase {self.phase.value.upper()}: {hint}")
-        self.phase = following
-        return following
 
 
 @dataclass(frozen=True)
@@ -435,7 +362,7 @@ class StepProtocol:
         try:
             yield
         except BaseException as err:
-            self.fail(err, where or _WHERE.get(self.phase, self.phase.value))
+            self.fail(err, where or WHERE.get(self.phase, self.phase.value))
             raise
 
     def fail(self, err: BaseException, where: str) -> None:

@@ -214,7 +214,8 @@ def second(ctx: Context) -> List[Item]:
         offload_memory,
         gathers,
         ctx.pytest("param-offload", "offload_param with the model on the GPU (host-window pulls and pushes) against "
-                   "ZeRO-3 with the same offload, one rank on NCCL", ["tests/gpu/test_cuda_param_offload.py"], None, 30),
+                   "ZeRO-3 with the same offload, one rank on NCCL", ["tests/gpu/test_cuda_param_offload.py"], None,
+                   30),
         ctx.pytest("fault-matrix-rest", "SIGKILL at forward and at the fence, an owner dying mid-pull: the survivor "
                    "raises ODCPeerError naming it and its device still computes", ["tests/gpu/test_cuda_faults.py"],
                    "not push", 60, world=2),

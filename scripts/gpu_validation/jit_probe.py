@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.fresh:
         if os.path.realpath(os.environ.get("TORCH_EXTENSIONS_DIR", "")) != os.path.realpath(args.fresh):
-            raise SystemExit(f"--fresh {args.fresh} is not TORCH_EXTENSIONS_DIR ({os.environ.get('TORCH_EXTENSIONS_DIR')})")
+            where = os.environ.get("TORCH_EXTENSIONS_DIR")
+            raise SystemExit(f"--fresh {args.fresh} is not TORCH_EXTENSIONS_DIR ({where})")
         shutil.rmtree(args.fresh, ignore_errors=True)
     import ds_odc.ops_builder as builder
 

@@ -202,9 +202,10 @@ class Phase:
         if item.derive is not None:
             return self._record(item, item.derive(self.by_name()), 0.0, None)
         if self.remaining_s < item.expect_s:
+            left = max(0.0, self.remaining_s)
             return self.skip(item, Status.INCONCLUSIVE, f"not started: it usually takes {item.expect_s:.0f} s and "
-                                                        f"{max(0.0, self.remaining_s):.0f} s of the {self.budget_s:.0f} s "
-                                                        "budget were left (rerun it with --only)")
+                                                        f"{left:.0f} s of the {self.budget_s:.0f} s budget were left "
+                                                        "(rerun it with --only)")
         scratch = os.path.join(self.work, "items", item.name)
         shutil.rmtree(scratch, ignore_errors=True)  # the work folder outlives commands: no stale junit.xml
         os.makedirs(scratch)
@@ -242,7 +243,8 @@ class Phase:
         self.running["process_group"] = pid
         self.write()
 
-    def _record(self, item: Item, verdict: Verdict, seconds: float, command: Optional[str], output: str = "") -> ItemResult:
+    def _record(self, item: Item, verdict: Verdict, seconds: float, command: Optional[str],
+                output: str = "") -> ItemResult:
         figures = dict(verdict.figures)
         if item.note:
             figures["note"] = item.note

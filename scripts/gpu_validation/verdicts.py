@@ -114,7 +114,8 @@ def cuda_op_verdict(run: Run) -> Verdict:
     try:
         figures = tagged_json(run.output, "CUDA_OP")
     except ValueError:
-        return Verdict(Status.FAIL, error=f"the operator did not load (exit {run.returncode}):\n{tail(run.output, 3000)}")
+        return Verdict(Status.FAIL,
+                       error=f"the operator did not load (exit {run.returncode}):\n{tail(run.output, 3000)}")
     if "not_measurable" in figures:
         return Verdict(Status.NOT_MEASURABLE, figures, figures["not_measurable"])
     if run.returncode != 0:
@@ -174,8 +175,9 @@ def bandwidth_verdict(run: Run) -> Verdict:
         if pull < PULL_TARGET:
             missed.append(f"pull reaches {100 * pull:.0f}% of a peer copy at >= {LARGE_MIB} MiB "
                           f"(target {100 * PULL_TARGET:.0f}%)")
-    said = (f"push {100 * push:.0f}% of a local add; pull "
-            + (f"{100 * figures['pull_over_copy']:.0f}% of a peer copy" if data["gpus"] >= 2 else "not measurable (one GPU)"))
+    pulled = (f"{100 * figures['pull_over_copy']:.0f}% of a peer copy" if data["gpus"] >= 2
+              else "not measurable (one GPU)")
+    said = f"push {100 * push:.0f}% of a local add; pull {pulled}"
     return Verdict(Status.FAIL if missed else Status.PASS, figures, "; ".join(missed) or None, said=said)
 
 
@@ -267,8 +269,9 @@ def sanitizer_verdict(run: Run) -> Verdict:
     if any(summaries):
         return Verdict(Status.FAIL, figures, "memcheck reported errors:\n" + _first_report(run.output))
     if refused or not summaries:
-        return Verdict(Status.INCONCLUSIVE, figures, f"compute-sanitizer did not check the run ({refused or 'no summary'})"
-                                                     f":\n{tail(run.output, 2000)}")
+        why = refused or "no summary"
+        return Verdict(Status.INCONCLUSIVE, figures,
+                       f"compute-sanitizer did not check the run ({why}):\n{tail(run.output, 2000)}")
     if run.returncode != 0:
         return Verdict(Status.INCONCLUSIVE, figures, f"no memcheck error, but the run failed under the tool (exit "
                                                      f"{run.returncode}):\n{tail(run.output, 2000)}")

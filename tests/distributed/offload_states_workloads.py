@@ -97,7 +97,8 @@ def rollout_round_trip(offload: bool, counts=(1, 3), steps=4, offload_at=2):
         if offload and step == offload_at:
             policy.offload_states()
             reference.offload_states()
-            record["away_while_offloaded"] = sorted(policy.odc_runtime.windows_away | reference.odc_runtime.windows_away)
+            away = policy.odc_runtime.windows_away | reference.odc_runtime.windows_away
+            record["away_while_offloaded"] = sorted(away)
             reference.reload_states()
             policy.reload_states()
         for index in range(counts[rank]):
@@ -173,7 +174,7 @@ def reload_refused_then_retried(failing_rank: int = 1, steps: int = 4):
             if rank == failing_rank:  # the shm directory is full for the first segment made again
                 original = shm.create_reserved
 
-                def full(path, nbytes):
+                def full(path, nbytes, original=original):
                     shm.create_reserved = original
                     raise SegmentSpaceError(path, nbytes, OSError(errno.ENOSPC, "No space left on device"))
 

@@ -9,10 +9,16 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.offload_states_workloads import (after_destroy_and_initialize, after_empty_partition_cache,
-                                                         after_load_module_only, misuse, offload_round_trip,
-                                                         reload_refused_then_retried, rollout_round_trip,
-                                                         windows_unmapped_while_away)
+from tests.distributed.offload_states_workloads import (
+    after_destroy_and_initialize,
+    after_empty_partition_cache,
+    after_load_module_only,
+    misuse,
+    offload_round_trip,
+    reload_refused_then_retried,
+    rollout_round_trip,
+    windows_unmapped_while_away,
+)
 
 
 def _assert_identical(plain, offloaded, label=""):

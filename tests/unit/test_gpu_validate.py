@@ -291,7 +291,8 @@ def test_compute_mode_and_mig_are_read_and_exclusive_mode_makes_shared_gpu_items
 
     view = environment.nvidia_smi_view(smi([["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "Exclusive_Process",
                                              "Disabled"]]))
-    assert view["driver"] == "580.159.04" and view["compute_modes"] == ["Exclusive_Process"] and view["mig"] == ["Disabled"]
+    assert view["driver"] == "580.159.04" and view["compute_modes"] == ["Exclusive_Process"]
+    assert view["mig"] == ["Disabled"]
     machine = {**view, "gpus": 1, "mps": False}
     machine["sharing"] = environment.sharing(machine)
     assert machine["sharing"]["shared"] is False and "Exclusive_Process" in machine["sharing"]["why"]

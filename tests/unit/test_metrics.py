@@ -261,6 +261,7 @@ def test_shared_and_first_marks_resolve_once_and_steps_of_more_marks_stay_right(
         free.append(len(timer._free))
     assert len({id(event) for event in timer._free}) == len(timer._free), "an event is in the free list twice"
     assert free[-5:] == free[5:10]  # the same schedule again: no growth from step to step
-    assert max(free) <= 6 + 3 + 1  # the largest step's distinct marks (6 starts, the last end, the optimizer's two) + anchor
+    # the largest step's distinct marks (6 starts, the last end, the optimizer's two) + anchor
+    assert max(free) <= 6 + 3 + 1
     total = sum(r.wall_s for r in recorder.reports)
     assert total == pytest.approx(sum(sum(m) + 1.0 for m in schedule))

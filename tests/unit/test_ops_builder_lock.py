@@ -15,7 +15,8 @@ import json, time
 import ds_odc.ops_builder as ob
 start = time.monotonic()
 ob.load_op(ob.ATOMICS)
-print("LOADED " + json.dumps({"seconds": time.monotonic() - start, "torch_lock": (ob.build_directory(ob.ATOMICS) / "lock").exists()}))
+lock = (ob.build_directory(ob.ATOMICS) / "lock").exists()
+print("LOADED " + json.dumps({"seconds": time.monotonic() - start, "torch_lock": lock}))
 """
 
 HOLD = """

@@ -6,7 +6,7 @@ import torch
 
 from ds_odc.errors import ODCPeerError, ODCStateError
 from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, WindowLayout
-from ds_odc.runtime.step import Event, Phase, StepStateMachine
+from ds_odc.runtime.phases import Event, Phase, StepStateMachine
 from tests.unit.loopback import LoopbackGroup, Update, runtime_for
 
 

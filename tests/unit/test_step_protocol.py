@@ -8,7 +8,8 @@ import torch
 
 from ds_odc.errors import ODCGroupFailedError, ODCPeerError, ODCStateError
 from ds_odc.runtime import MicroBatchLedger, Normalisation
-from ds_odc.runtime.step import TRANSITIONS, Event, Phase, StepProtocol, StepStateMachine
+from ds_odc.runtime.phases import TRANSITIONS, Event, Phase, StepStateMachine
+from ds_odc.runtime.step import StepProtocol
 from ds_odc.runtime.vocabulary import Activity, RoundKind
 from tests.unit.loopback import LoopbackGroup, Update, runtime_for
 
