@@ -8,9 +8,9 @@ copy -> overlap from the CUDA-event timeline.
 
 Second command (``--second``, default budget 290 s, only if time is left): one rank on NCCL, activation
 offload (test and peak-memory benchmark), parameter offload with the model on the GPU against ZeRO-3,
-batched gathers, the rest of the fault matrix, a JIT build into an empty folder, compute-sanitizer over the
-kernel sweep. Not written yet: fp16 against ZeRO-3 fp16 with an injected inf step (the engine still refuses
-fp16), and offload_states / reload_states on cuda_ipc (its place is marked in :func:`second`).
+batched gathers, the rest of the fault matrix, offload_states / reload_states on cuda_ipc (the windows freed
+and mapped again), a JIT build into an empty folder, compute-sanitizer over the kernel sweep. Not written
+yet: fp16 against ZeRO-3 fp16 with an injected inf step (the engine still refuses fp16).
 
 The same lists run in the CPU smoke run (``shm``, smaller selections; the CUDA-only items report themselves
 not measurable). Every item runs from the copy of the tests that the set-up lays out (``Context.suite``),
@@ -219,9 +219,10 @@ def second(ctx: Context) -> List[Item]:
         ctx.pytest("fault-matrix-rest", "SIGKILL at forward and at the fence, an owner dying mid-pull: the survivor "
                    "raises ODCPeerError naming it and its device still computes", ["tests/gpu/test_cuda_faults.py"],
                    "not push", 60, world=2),
-        # -- Later items go here, before the two slow checks below. Planned (not written yet):
-        #    "offload-states-cuda-ipc": engine.offload_states() / reload_states() on cuda_ipc -- a
-        #    ctx.pytest(...) over its tests/gpu test, world=2, expect_s about 30.
+        ctx.pytest("offload-states", "engine.offload_states() / reload_states() on cuda_ipc: the windows' device "
+                   "memory is free while away, and training after the calls equals training without, bit for bit",
+                   ["tests/gpu/test_cuda_offload_states.py"], None, 40, world=2),
+        # -- Later items go here, before the two slow checks below.
         jit,
         memcheck,
     ]

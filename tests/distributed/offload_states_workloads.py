@@ -31,7 +31,7 @@ def _micro_batches(engine, step, indices, token):
     losses = []
     dtype = next(p for p in engine.module.parameters()).dtype
     for index in indices:
-        x, y, mask = micro_batch(step, rank, index)
+        x, y, mask = (t.to(engine.device) for t in micro_batch(step, rank, index))
         pred = engine(x.to(dtype))
         if token:
             loss = mse_token_sum(pred, y, mask)
@@ -43,11 +43,16 @@ def _micro_batches(engine, step, indices, token):
     return losses
 
 
-def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memory, non_blocking, odc, frozen, zero):
+def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memory, non_blocking, odc, frozen, zero,
+           transport):
     """``calls``: {step: include} of the steps before which offload_states(include)/reload_states run
     (after that step's first micro-batch when ``mid_accumulation``: the gradients pushed so far must
     survive); include lists state names (None: every state)."""
     rank = tdist.get_rank()
+    if transport is not None:  # a GPU suite's rank: its device selected before DeepSpeed places the engine
+        from tests.distributed.transports import CASES
+
+        CASES[transport].device()
     engine, *_ = deepspeed.initialize(model=make_model(frozen=frozen),
                                       config=_config(stage, bf16=bf16, managed=False, odc=odc, **zero))
     record = {"losses": [], "params": []}
@@ -61,7 +66,7 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
             engine.reload_states(non_blocking=non_blocking)
         record["losses"] += _micro_batches(engine, step, range(first, counts[rank]), token)
         engine.step()
-        record["params"].append(full_params(engine))
+        record["params"].append({k: v.cpu() for k, v in full_params(engine).items()})
     engine.destroy()
     return record
 
@@ -77,7 +82,7 @@ def offload_round_trip(options: dict):
 
 
 DEFAULTS = dict(stage="odc", counts=(1, 1), steps=5, calls={2: None}, bf16=False, mid_accumulation=False, token=False,
-                pin_memory=True, non_blocking=False, odc=None, frozen=True, zero={})
+                pin_memory=True, non_blocking=False, odc=None, frozen=True, zero={}, transport=None)
 
 
 # -- an RL rollout's shape: a trained policy and a frozen reference, both offloaded around the rollout ----
@@ -269,3 +274,31 @@ def after_load_module_only(stage, ckpt_dir: str, steps: int = 3):
     _steps(engine, 2, steps, record)
     engine.destroy()
     return record
+
+
+def device_memory_while_away(transport: str, hidden: int = 2048):
+    """On a GPU transport: the device's free memory before offload_states, while the windows are away, and
+    after reload_states (every rank between barriers, so that both ranks' windows are counted), and the
+    windows' bytes per rank."""
+    from tests.distributed.transports import CASES
+
+    device = CASES[transport].device()
+    engine, *_ = deepspeed.initialize(model=make_model(hidden=hidden, frozen=False),
+                                      config=_config("odc", bf16=True, managed=False))
+    window = engine.odc_runtime.transport.local_param_window()
+    accumulator = engine.odc_runtime.transport.local_grad_accumulator()
+    window_bytes = window.numel() * window.element_size() + accumulator.numel() * accumulator.element_size()
+    del window, accumulator
+
+    def free():
+        torch.cuda.synchronize(device)
+        tdist.barrier()
+        return torch.cuda.mem_get_info(device)[0]
+
+    before = free()
+    engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads])
+    away = free()
+    engine.reload_states()
+    after = free()
+    engine.destroy()
+    return {"window_bytes": window_bytes, "before": before, "away": away, "after": after}
