@@ -122,6 +122,9 @@ CASES = {
 #: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
 UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
 MASKED = ((0, 1), (2, 0))  # (rank, micro-batch) carrying no loss token
+#: offload_states / reload_states across nodes: every state, then the accumulator alone with gradients pushed
+OFFLOAD_CASE = {"counts": (1, 3, 2, 1), "bf16": True, "token": True, "mid_accumulation": True, "steps": 4,
+                "odc": {"accumulator_dtype": "fp64"}, "calls": {1: None, 2: ["lp_grads"]}}
 
 
 def cases(names, out_dir):
@@ -129,7 +132,7 @@ def cases(names, out_dir):
     import torch
     import torch.distributed as tdist
 
-    from tests.distributed import checkpoint_workloads, sync_workloads, workloads
+    from tests.distributed import checkpoint_workloads, offload_states_workloads, sync_workloads, workloads
 
     torch.set_num_threads(1)
     counting = "collectives" in names.split(",")
@@ -152,6 +155,8 @@ def cases(names, out_dir):
             killed_on_node1(out_dir)  # ends the process
         elif name == "small_shm":
             result = initialize_outcome()
+        elif name == "offload_states":
+            result = offload_states_workloads.offload_round_trip(OFFLOAD_CASE)
         else:
             workload, args = CASES[name]
             result = getattr(workloads, workload)(*args())
