@@ -6,7 +6,8 @@ the peers it waits for the same way:
 * a **failure record** (the peer, or a rank it heard from, failed): raised at once, naming the origin, its
   error and where it happened;
 * **death** (its life lock is free): raised within :data:`LIVENESS_PERIOD_S`;
-* **closing** (``engine.destroy()``) while this rank still waits for it;
+* **closing** (``engine.destroy()``, or leaving training: :func:`ds_odc.runtime.crash.left`) while this rank
+  still waits for it;
 * **no progress** for ``timeout_s`` (no heartbeat, activity or round change): a peer that is merely slow
   keeps beating and is waited for.
 """
@@ -55,10 +56,10 @@ class PeerWatch:
         plane = self.plane
         for r in pending:
             block = plane.blocks[r]
-            if block.state() == State.CLOSED:
+            if block.state() == State.CLOSED:  # its activity says how: engine.destroy(), or it left training
                 record = FailureRecord(plane.job_rank(r), self.step, "its peers waited for it",
-                                       "closed its engine (engine.destroy())", FailureKind.CLOSED)
-                self.fail(f"{plane.describe(r)} closed its engine (engine.destroy()) while {self.here}", record)
+                                       plane.activity_text(r), FailureKind.CLOSED)
+                self.fail(f"{plane.describe(r)} {record.error} while {self.here}", record)
             if not plane.alive(r):
                 record = FailureRecord(plane.job_rank(r), self.step, plane.activity_text(r),
                                        "exited (killed, crashed, or its script ended)", FailureKind.EXITED)

@@ -180,10 +180,13 @@ class Transport(abc.ABC):
         self.plane = ControlPlane(self.rank, blocks, alive, describe, self.first_rank, self.wording)
         self.rendezvous = Rendezvous(self.plane, width, self.timeout_s)
 
+    def say_closed(self) -> None:
+        """Peers waiting for this rank raise at once: it will not come (unless FAILED: the record stays)."""
+        if self.plane is not None and self.plane.me.state() != State.FAILED:
+            self.plane.me.set_state(State.CLOSED)
+
     def _close_plane(self) -> None:
-        """Say CLOSED (unless FAILED: the record stays readable) and drop the control plane."""
-        if self.plane is not None:
-            if self.plane.me.state() != State.FAILED:
-                self.plane.me.set_state(State.CLOSED)
+        """Say CLOSED and drop the control plane."""
+        self.say_closed()
         self.plane = None
         self.rendezvous = None

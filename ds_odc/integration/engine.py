@@ -41,7 +41,7 @@ from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError
-from ds_odc.integration import checkpoints, sequence_parallel, zero3_frozen
+from ds_odc.integration import checkpoints, group_teardown, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
@@ -282,6 +282,7 @@ class ODCEngine(DeepSpeedEngine):
         if env_switch() is not None:
             logger.info(f"ds_odc: {ENV_SWITCH}=odc runs this stage-3 engine on the odc stage, with options "
                         f"{self._config._param_dict.get(MARKER_KEY)}")
+        group_teardown.install()  # a rank that tears its process group down with this engine open: peers learn at once
         factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options, odc_ledger=self._odc.ledger)
         with swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", factory):
             built = super()._configure_zero_optimizer(optimizer)

@@ -387,6 +387,10 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "round", "from the recorder's attach (an ODC engine's build, or ds_odc.metrics.attach) to the "
                 "engine's destroy()", "the recorder listens where ZeRO-3 works, on that engine's objects only "
                 "(no class is patched)", _METRICS),
+    ProcessWide("torch.distributed.destroy_process_group replaced", "from the first ODC engine's build to the end of "
+                "the process (a pass-through while no ODC engine is alive)", "a rank that tears its process group "
+                "down with an ODC engine open has left training: its peers, waiting at a round, learn of it at once "
+                "instead of at their no-progress bound", "ds_odc/integration/group_teardown.py"),
     ProcessWide("SIGTERM, SIGINT and SIGHUP handlers: first unlink the files this rank created, then the previous "
                 "handler (or the default action)", "while a node's windows are allocated, main thread only; the "
                 "previous handlers are put back on every exit, and a signal the process ignores stays ignored",

@@ -51,3 +51,17 @@ def _report_then_chain(exc_type, exc, traceback) -> None:
         except Exception:  # noqa: BLE001 - reporting must never hide the original error
             pass
     (_previous_hook or sys.__excepthook__)(exc_type, exc, traceback)
+
+
+
+def left(reason: str) -> int:
+    """This process left training with ODC engines still open (it tore its process group down without
+    ``engine.destroy()``): each live engine says so in its control block, so that peers waiting for this
+    rank raise at once, naming it and ``reason``, instead of at their no-progress bound. Returns how many."""
+    engines = list(_live)
+    for protocol in engines:
+        try:
+            protocol.leave(reason)
+        except Exception:  # noqa: BLE001 - a teardown must go on whatever the report meets
+            pass
+    return len(engines)

@@ -132,6 +132,7 @@ class StepProtocol:
         self.failure: Optional[FailureRecord] = None
         self._activity: Optional[Activity] = None
         self.stash = WindowStash(transport)  # where this rank's windows are (away after offload_windows)
+        self.left: Optional[str] = None  # why this rank left training (leave), if it did
         crash.watch(self)
 
     @property
@@ -386,12 +387,25 @@ class StepProtocol:
                 "(results after a failure would be wrong): call engine.destroy(), restart the job and resume from the "
                 "last checkpoint", self.failure)
         if self.phase is Phase.CLOSED:
-            raise ODCStateError("this ODC engine was destroyed (engine.destroy()); build a new one")
+            raise ODCStateError(f"this rank left training ({self.left})" if self.left else
+                                "this ODC engine was destroyed (engine.destroy()); build a new one")
 
     def _note(self, activity: Activity, force: bool = False) -> None:
         if force or activity is not self._activity:
             self._activity = activity
             self.transport.note_activity(activity, self.step_number, self.ledger.micro_batches)
+
+    def leave(self, reason: str) -> None:
+        """This rank left training without closing the engine (:func:`ds_odc.runtime.crash.left`): say CLOSED,
+        so that peers waiting for it raise at once naming it, while those it already met are unaffected (a
+        peer finishing the last round with it must not fail: a failure record would reach it there)."""
+        if self.phase in (Phase.FAILED, Phase.CLOSED) or self.transport.plane is None:
+            return
+        self._note(Activity.LEFT, force=True)
+        self.transport.say_closed()
+        self.left = reason
+        self.machine.advance(Event.CLOSE)
+        crash.unwatch(self)
 
     def close(self) -> None:
         if self.phase is not Phase.CLOSED:

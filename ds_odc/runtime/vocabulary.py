@@ -60,6 +60,7 @@ class Activity(enum.IntEnum):
     UPDATING = 4
     SAVING = 5
     CLOSED = 6
+    LEFT = 7
 
 
 _ACTIVITY_TEXT = {
@@ -69,7 +70,8 @@ _ACTIVITY_TEXT = {
     Activity.IN_ROUND: "waiting at a rendezvous round of step {step}",
     Activity.UPDATING: "running the optimizer update of step {step}",
     Activity.SAVING: "saving a checkpoint (before step {step})",
-    Activity.CLOSED: "closed (engine.destroy())",
+    Activity.CLOSED: "closed its engine (engine.destroy())",
+    Activity.LEFT: "left training: it tore its process group down with its ODC engine open (no engine.destroy())",
 }
 
 

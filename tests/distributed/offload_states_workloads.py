@@ -302,3 +302,48 @@ def device_memory_while_away(transport: str, hidden: int = 2048):
     after = free()
     engine.destroy()
     return {"window_bytes": window_bytes, "before": before, "away": away, "after": after}
+
+
+# -- a rank that leaves training while its process stays alive -------------------------------------------
+def leaves_training(how: str, marker: str, timeout_s: float = 60.0):
+    """Rank 0 meets an exception of its own code after step 1 and leaves training, its process alive:
+    ``destroy`` (engine.destroy()), ``destroy_process_group`` (the group torn down, the engine left open) or
+    ``idle`` (nothing: it just stops). Rank 1 trains on into step 2's fence. Returns what rank 1 raised and
+    how long it waited; rank 0 stays alive until rank 1 has its answer."""
+    import os
+    import time
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(),
+                                      config=_config("odc", managed=False, odc={"timeout_s": timeout_s}))
+    for step in range(2):
+        _micro_batches(engine, step, [0], token=False)
+        engine.step()
+    if rank == 0:
+        try:
+            raise AssertionError("memory did not shrink")  # the caller's own check, caught by its harness
+        except AssertionError:
+            if how == "destroy":
+                engine.destroy()
+            elif how == "destroy_process_group":
+                tdist.destroy_process_group()
+        deadline = time.monotonic() + 3 * timeout_s
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    _micro_batches(engine, 2, [0], token=False)
+    outcome = _timed(engine.step)
+    with open(marker, "w"):
+        pass
+    return {"error": outcome[0], "message": outcome[1], "seconds": outcome[2]}
+
+
+def ends_without_destroy(steps: int = 3):
+    """Every rank trains to the end and tears its process group down without engine.destroy() (as many
+    scripts do): nobody may raise."""
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
+    for step in range(steps):
+        _micro_batches(engine, step, [0], token=False)
+        engine.step()
+    tdist.destroy_process_group()
+    return engine.odc_phase.value

@@ -3,6 +3,7 @@ bad configs fail at initialize naming the field."""
 import pytest
 
 from tests.distributed.harness import run_ranks
+from tests.distributed.offload_states_workloads import ends_without_destroy, leaves_training
 from tests.distributed.workloads import bad_configs, ds_config, peer_failure
 
 
@@ -44,3 +45,21 @@ def test_bad_configs_fail_at_initialize_naming_the_field():
     assert "zero_optimization.offload_param" in messages["offload"]
     assert "fp16.enabled" in messages["fp16"]
     assert messages["good"] is None
+
+
+@pytest.mark.parametrize("how,error,words,bound_s", [
+    ("destroy", "ODCPeerError", "closed its engine (engine.destroy())", 2),
+    ("destroy_process_group", "ODCPeerError", "left training", 2),
+    ("idle", "ODCTimeoutError", "made no progress for 4s", 30),
+])
+def test_a_rank_that_leaves_training_alive_is_named_by_its_peers(tmp_path, how, error, words, bound_s):
+    """Rank 0 catches an exception of its own and leaves training with its process alive (the hang DeepSpeed's
+    test harness met: one rank leaves a test, the other waits at the next step's fence). engine.destroy() or a
+    torn-down process group is named at once; leaving silently is bounded by odc.timeout_s (4 s here)."""
+    _, waiting = run_ranks(leaves_training, 2, how, str(tmp_path / "answered"), 4.0, timeout=120)
+    assert waiting["error"] == error and words in waiting["message"] and "rank 0" in waiting["message"], waiting
+    assert waiting["seconds"] < bound_s, waiting
+
+
+def test_a_job_that_ends_without_engine_destroy_raises_nowhere():
+    assert run_ranks(ends_without_destroy, 2) == ["closed", "closed"]
