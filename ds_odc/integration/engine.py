@@ -41,7 +41,7 @@ from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError, ODCStateError
-from ds_odc.integration import checkpoints, group_teardown, sequence_parallel, zero3_frozen
+from ds_odc.integration import checkpoints, group_teardown, hf_generation, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
@@ -96,6 +96,8 @@ class ODCEngine(DeepSpeedEngine):
         if self._odc is not None and self._odc.options.metrics and self.odc_trains:
             from ds_odc.integration.metrics_hooks import attach_recorder
             attach_recorder(self, self._odc.options.metrics_log_interval)
+        if self._odc is not None:  # each rank decodes at its own pace (:mod:`ds_odc.integration.hf_generation`)
+            hf_generation.bind(self.module, lambda: self._odc_lockstep() is not None)
 
     @property
     def _odc_state(self) -> _EngineState:
@@ -122,10 +124,12 @@ class ODCEngine(DeepSpeedEngine):
         try:
             super().destroy()
         finally:
-            sequence_parallel.unregister(self._odc.lockstep if self._odc is not None else None)
-            frozen, self._odc.frozen = (self._odc.frozen, None) if self._odc is not None else (None, None)
-            if frozen is not None:
-                frozen.release()
+            hf_generation.unbind(getattr(self, "module", None))
+            if self._odc is not None:
+                sequence_parallel.unregister(self._odc.lockstep)
+                frozen, self._odc.frozen = self._odc.frozen, None
+                if frozen is not None:
+                    frozen.release()
 
     # -- public API ------------------------------------------------------------------------------
     @property

@@ -391,6 +391,11 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "the process (a pass-through while no ODC engine is alive)", "a rank that tears its process group "
                 "down with an ODC engine open has left training: its peers, waiting at a round, learn of it at once "
                 "instead of at their no-progress bound", "ds_odc/integration/group_teardown.py"),
+    ProcessWide("an ODC engine's model: its generate bound on the instance (synced_gpus False unless the caller "
+                "says)", "from the engine's build to its destroy()", "transformers syncs every model's generation "
+                "while a ZeRO-3 config is active; an ODC model's forwards are one-sided, so only that instance "
+                "stops syncing (the class and every other model are left alone)",
+                "ds_odc/integration/hf_generation.py"),
     ProcessWide("SIGTERM, SIGINT and SIGHUP handlers: first unlink the files this rank created, then the previous "
                 "handler (or the default action)", "while a node's windows are allocated, main thread only; the "
                 "previous handlers are put back on every exit, and a signal the process ignores stays ignored",
