@@ -10,9 +10,9 @@ export OMP_NUM_THREADS := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 STEPS ?= 100
 # mypy: these packages have no error; the rest of ds_odc/ has at most MYPY_BASELINE (81 when the check was
-# introduced, 88 in all before balance/ and activations/ were cleaned). Lower it when you fix some; never raise it.
-MYPY_CLEAN := ds_odc/balance/ ds_odc/activations/
-MYPY_BASELINE := 80
+# introduced, 96 before comm/ and runtime/ were cleaned with the rest). Lower it when you fix some; never raise it.
+MYPY_CLEAN := ds_odc/balance/ ds_odc/activations/ ds_odc/comm/ ds_odc/runtime/
+MYPY_BASELINE := 0
 
 .PHONY: venv demo test test-unit lint typecheck schema
 

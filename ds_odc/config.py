@@ -296,7 +296,9 @@ def is_odc_config(ds_config: Any) -> bool:
     if not isinstance(ds_config, dict):
         return False
     zero = ds_config.get("zero_optimization")
-    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if not isinstance(zero, dict):
+        return False
+    stage = zero.get("stage")
     return stage == ODC_STAGE or (stage in (3, "3") and (MARKER_KEY in ds_config or MARKER_KEY in zero))
 
 

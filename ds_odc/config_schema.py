@@ -26,12 +26,15 @@ OPTIONS_PATH = os.path.join(_ROOT, "docs", "options.md")
 
 def _field_docs(model) -> dict:
     """The string under each field of a pydantic model (Megatron-style per-field docs)."""
-    tree = ast.parse(inspect.getsource(model))
-    body = tree.body[0].body
+    cls = ast.parse(inspect.getsource(model)).body[0]
+    if not isinstance(cls, ast.ClassDef):
+        raise TypeError(f"{model!r}: its source does not define a class")
+    body = cls.body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and \
-                isinstance(getattr(following, "value", None), ast.Constant):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and \
+                isinstance(following.value.value, str):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 

@@ -246,6 +246,8 @@ def _import_built(spec: OpSpec, library: Path):
 
         return ctypes.CDLL(str(library))
     loader_spec = importlib.util.spec_from_file_location(name, library)
+    if loader_spec is None or loader_spec.loader is None:
+        raise RuntimeError(f"{library}: Python finds no loader for this file name (an extension module's suffix?)")
     module = importlib.util.module_from_spec(loader_spec)
     loader_spec.loader.exec_module(module)
     sys.modules[name] = module

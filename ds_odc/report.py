@@ -100,8 +100,6 @@ def transports() -> Dict[str, Tuple[bool, str]]:
     try:
         from ds_odc.comm import available_transports
     except ImportError:
-        available_transports = None
-    if available_transports is None:
         found = {"shm": _shm_fallback()}
     else:
         found = {name: (bool(ok), str(reason) or ("available" if ok else "unavailable, no reason given"))

@@ -41,7 +41,8 @@ def karmarkar_karp(costs: Sequence[float], parts: int, equal_size: bool = False,
             gc.enable()
 
 
-def _karmarkar_karp(costs, parts, equal_size, order):
+def _karmarkar_karp(costs: Sequence[float], parts: int, equal_size: bool,
+                    order: Sequence[int] | None) -> list[list[int]]:
     if parts < 1:
         raise ODCError(f"karmarkar_karp: parts must be >= 1, got {parts}")
     n = len(costs)

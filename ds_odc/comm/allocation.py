@@ -24,7 +24,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as tdist
@@ -117,7 +117,7 @@ class NodeAllocation:
     def plan(self) -> None:
         me = RankInfo(socket.gethostname(), os.getpid(), os.stat(self.shm_dir).st_dev, free_bytes(self.shm_dir),
                       uuid.uuid4().hex[:12])
-        infos: List[Optional[RankInfo]] = [None] * self.world_size
+        infos: List[Any] = [None] * self.world_size  # every rank's RankInfo, once gathered
         tdist.all_gather_object(infos, me, group=self.group)
         self.infos = infos
         self.session = infos[0].session
@@ -142,7 +142,7 @@ class NodeAllocation:
                 f"with medium: Memory and a sizeLimit, mount -o remount,size=... {self.shm_dir}) or point {SHM_FIELD} "
                 "at a tmpfs with room.")
 
-    def allocate(self, create: Callable[[], None], map_peers: Callable[[], None], release: Callable[[], None],
+    def allocate(self, create: Callable[[], object], map_peers: Callable[[], None], release: Callable[[], None],
                  creating: str, mapping: str) -> None:
         """The whole protocol of the module docstring, for a transport: :meth:`plan`, then under the
         signal guard ``create`` (this rank's files and windows), agree, ``map_peers``, agree, unlink.
@@ -163,7 +163,7 @@ class NodeAllocation:
             raise
 
     # -- local steps: errors are held for the next agree() ----------------------------------------------
-    def run(self, step: Callable[[], None]) -> None:
+    def run(self, step: Callable[[], object]) -> None:
         """Run a local step; an Exception is kept for :meth:`agree` (other exceptions propagate)."""
         if self._pending is not None:
             return
@@ -185,19 +185,22 @@ class NodeAllocation:
         window segment, reserved; the block says READY once all exist."""
         self.lock = LockFile.create(self.path(self.rank, "lock"), self.rank, timeout_s)
         self._track(self.path(self.rank, "lock"))
-        block = None
-        for kind, nbytes in self.sizes.items():
-            path = self.path(self.rank, kind)
-            self._track(path)
-            try:
-                create_reserved(path, nbytes)
-            except SegmentSpaceError as err:
-                raise no_room(self.shm_dir, self.name(self.rank), kind, err.nbytes) from None
-            if kind == "ctrl":
-                block = self.map_control(self.rank)
-                block.init(os.getpid())
+        self._create_segment("ctrl")  # first of ``sizes``
+        block = self.map_control(self.rank)
+        block.init(os.getpid())
+        for kind in self.sizes:
+            if kind != "ctrl":
+                self._create_segment(kind)
         block.set_state(State.READY)
         return block
+
+    def _create_segment(self, kind: str) -> None:
+        path = self.path(self.rank, kind)
+        self._track(path)
+        try:
+            create_reserved(path, self.sizes[kind])
+        except SegmentSpaceError as err:
+            raise no_room(self.shm_dir, self.name(self.rank), kind, err.nbytes) from None
 
     def _track(self, path: str) -> None:
         self._created.append(path)
@@ -218,7 +221,7 @@ class NodeAllocation:
         pending, self._pending = self._pending, None
         mine = Outcome() if pending is None else Outcome(f"{type(pending).__name__}: {pending}",
                                                          isinstance(pending, ODCConfigError))
-        outcomes: List[Optional[Outcome]] = [None] * self.world_size
+        outcomes: List[Any] = [None] * self.world_size  # every rank's Outcome, once gathered
         try:
             tdist.all_gather_object(outcomes, mine, group=self.group)
         except Exception as err:  # noqa: BLE001 - a peer left or stalled: name it from its files
@@ -245,8 +248,9 @@ class NodeAllocation:
 
     def _peer_state(self, rank: int) -> str:
         lock_path = self.path(rank, "lock")
-        if self.peer_locks and self.peer_locks[rank] is not None:
-            alive = self.peer_locks[rank].owner_alive()
+        peer_lock = self.peer_locks[rank] if self.peer_locks else None
+        if peer_lock is not None:
+            alive = peer_lock.owner_alive()
         elif os.path.exists(lock_path):
             fd = os.open(lock_path, os.O_RDWR)
             try:

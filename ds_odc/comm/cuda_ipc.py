@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Collection, Sequence
+from typing import Any, Collection, List, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -50,7 +50,7 @@ from ds_odc.comm.gpu_topology import RankDevice, resolve_peer_devices
 from ds_odc.comm.push_plan import DEFAULT_MAX_BLOCKS, DEFAULT_THREADS, push_plan
 from ds_odc.comm.transport import Transport, WindowSpec
 from ds_odc.comm.wording import NUMBERS, Wording
-from ds_odc.errors import ODCConfigError
+from ds_odc.errors import ODCConfigError, ODCStateError
 
 #: Gradient dtypes the push kernel reads directly; others are converted to fp32 first.
 PUSHABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,7 +71,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, device: torch.device | str | int,
                  shm_dir: str = "/dev/shm", group=None, push_threads: int = DEFAULT_THREADS,
-                 push_max_blocks: int = DEFAULT_MAX_BLOCKS, first_rank: int = 0, wording: Wording = NUMBERS):
+                 push_max_blocks: Optional[int] = DEFAULT_MAX_BLOCKS, first_rank: int = 0, wording: Wording = NUMBERS):
         super().__init__(rank, world_size, timeout_s, first_rank, wording)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if device.type != "cuda":
@@ -81,16 +81,15 @@ class CudaIpcTransport(Transport):
         self.group = group
         self.push_threads = push_threads
         self.push_max_blocks = push_max_blocks
-        self._ops = None  # the compiled operator, loaded (built on first use) by allocate()
+        self._ops: Any = None  # the compiled operator (untyped), loaded (built on first use) by allocate()
         self._param_windows: list = []
         self._grad_windows: list = []
         self._blocks: list = []
         self._locks: list = []
         self._own: dict = {}  # kind -> this rank's own allocation ("params", "grads")
         self._handles: dict = {}  # kind -> its IPC handle, as the blob carries it
-        self._spec = None
         self._exported = False  # our IPC handles are in our control block: peers may have mapped our windows
-        self._pull_stream = None
+        self._pull_stream: Optional[torch.cuda.Stream] = None  # made by allocate(): see _pulls
         self._closed = False
 
     # -- allocation (collective, once) ---------------------------------------------------------
@@ -100,7 +99,7 @@ class CudaIpcTransport(Transport):
         self._ops = load_op(CUDA_IPC)  # JIT-built with ninja on first use, cached afterwards
         index = self.device.index
         me = RankDevice(socket.gethostname(), os.getpid(), device_uuid(index))
-        devices = [None] * self.world_size
+        devices: List[Any] = [None] * self.world_size  # every rank's RankDevice, once gathered
         tdist.all_gather_object(devices, me, group=self.group)
         local_uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
         resolve_peer_devices(devices, self.rank, local_uuids, self._ops.p2p_attributes)
@@ -144,7 +143,7 @@ class CudaIpcTransport(Transport):
 
     def _window(self, peer: int, kind: str) -> torch.Tensor:
         """Our own window of ``kind``, or our mapping of ``peer``'s, from the handle in its blob."""
-        spec = self._spec
+        spec = self.spec
         dtype = spec.param_dtype if kind == "params" else spec.grad_dtype
         if peer == self.rank:
             return self._own[kind].view(dtype)
@@ -165,6 +164,14 @@ class CudaIpcTransport(Transport):
         self._closed = True
 
     # -- one-sided access ------------------------------------------------------------------------
+    @property
+    def _pulls(self) -> torch.cuda.Stream:
+        """The stream pulls copy on, made by :meth:`allocate`."""
+        if self._pull_stream is None:
+            raise ODCStateError(f"the cuda_ipc transport of rank {self.job_rank} has no pull stream: allocate() has "
+                                "not run")
+        return self._pull_stream
+
     def local_param_window(self) -> torch.Tensor:
         return self._param_windows[self.rank]
 
@@ -179,11 +186,11 @@ class CudaIpcTransport(Transport):
     def read(self, owner: int, offset: int, out: torch.Tensor) -> None:
         self._check_device(out, "the pull destination")
         source = self._param_windows[owner].narrow(0, offset, out.numel())
-        current = torch.cuda.current_stream(self.device)
-        self._pull_stream.wait_stream(current)
-        with torch.cuda.stream(self._pull_stream):
+        current, pulls = torch.cuda.current_stream(self.device), self._pulls
+        pulls.wait_stream(current)
+        with torch.cuda.stream(pulls):
             out.copy_(source.view(out.shape))
-        current.wait_stream(self._pull_stream)
+        current.wait_stream(pulls)
 
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
         self._check_device(grad, "the gradient")
@@ -207,16 +214,16 @@ class CudaIpcTransport(Transport):
         Today that is one ``cudaMemcpyAsync`` per owner per parameter (copy engines, no SM); the intent
         is one launch per module (a batched memcpy, ``cudaMemcpyBatchAsync`` on CUDA >= 12.8, or a
         multi-range copy kernel), to be measured against this on a GPU (docs/gpu.md)."""
-        current = torch.cuda.current_stream(self.device)
-        self._pull_stream.wait_stream(current)
-        with torch.cuda.stream(self._pull_stream):
+        current, pulls = torch.cuda.current_stream(self.device), self._pulls
+        pulls.wait_stream(current)
+        with torch.cuda.stream(pulls):
             for transfer in reads:
                 out = transfer.tensor
                 self._check_device(out, "the pull destination")
                 out.copy_(self._param_windows[transfer.owner].narrow(0, transfer.offset, out.numel()).view(out.shape))
-                out.record_stream(self._pull_stream)  # allocated on the caller's stream, written on ours
+                out.record_stream(pulls)  # allocated on the caller's stream, written on ours
             done = torch.cuda.Event()
-            done.record(self._pull_stream)
+            done.record(pulls)
         return _StreamCompletion(done, self.device)
 
     def accumulate_many(self, pushes: Sequence[Transfer]) -> Completion:
@@ -254,9 +261,10 @@ class CudaIpcTransport(Transport):
 
     def recreate_own_windows(self, kinds: Collection[str]) -> None:
         made = {}
+        spec = self.spec
         try:
             for kind in kinds:
-                nbytes = _nbytes(self._spec)[0 if kind == "params" else 1]
+                nbytes = _nbytes(spec)[0 if kind == "params" else 1]
                 try:
                     made[kind], handle = self._ops.alloc_window(nbytes, self.device.index)
                 except RuntimeError as err:
@@ -273,7 +281,7 @@ class CudaIpcTransport(Transport):
         self._own.update(made)
         for kind in kinds:
             self._windows(kind)[self.rank] = self._own[kind].view(
-                self._spec.param_dtype if kind == "params" else self._spec.grad_dtype)
+                spec.param_dtype if kind == "params" else spec.grad_dtype)
         self._blocks[self.rank].write_blob(self._handles["params"] + self._handles["grads"])
 
     def map_peer_windows(self, kinds: Collection[str]) -> None:
@@ -308,11 +316,11 @@ class CudaIpcTransport(Transport):
         """Say we dropped our mappings of peers; wait (bounded) until every peer that is alive has
         dropped its mappings of ours, so that freeing our windows is safe. Liveness is the peers'
         life lock, so a peer that has not exited is never taken for dead."""
-        if self.plane is None:
-            return False
-        me = self.plane.me
-        me.ordering.store_release(me.words, W_UNMAPPED, 1)
         plane = self.plane
+        if plane is None:
+            return False
+        me = plane.me
+        me.ordering.store_release(me.words, W_UNMAPPED, 1)
 
         def every_live_peer_unmapped() -> bool:
             return all(plane.blocks[r].ordering.load_acquire(plane.blocks[r].words, W_UNMAPPED) == 1

@@ -79,13 +79,12 @@ def job_nodes(timeout_s: float) -> JobNodes:
     """Collective over every rank: the hosts, the layout check, and the groups (several nodes only)."""
     rank = tdist.get_rank()
     mine = (socket.gethostname(), uuid.uuid4().hex[:12])
-    everyone: list[Optional[tuple]] = [None] * tdist.get_world_size()
+    everyone: list[Any] = [None] * tdist.get_world_size()  # every rank's (host, id), once gathered
     tdist.all_gather_object(everyone, mine)
     topology = Topology.from_hosts([host for host, _ in everyone])
     if topology.node_count == 1:
         return JobNodes(topology, 0, rank, topology.world_size)
-    topology.check_multi_node_layout()
-    local_world = topology.local_world_size
+    local_world = topology.check_multi_node_layout()
     node, local_rank = divmod(rank, local_world)
     timeout = datetime.timedelta(seconds=timeout_s + _GROUP_TIMEOUT_MARGIN_S)
     node_group = cross_group = None

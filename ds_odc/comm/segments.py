@@ -169,7 +169,7 @@ class CleanupOnSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.paths: List[str] = []
         self._previous: dict = {}
 

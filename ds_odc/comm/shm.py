@@ -53,7 +53,6 @@ class ShmTransport(Transport):
         self._locks: list = []
         self._blocks: list = []
         self._closed = False
-        self._spec: Optional[WindowSpec] = None
         self._session = ""
         self._generation = 0  # windows made again so far (engine.reload_states)
         self._new_files: List[str] = []  # this rank's files of the newest generation, until every peer mapped them
@@ -162,7 +161,7 @@ class ShmTransport(Transport):
         return {"params": self._param_windows, "grads": self._grad_windows}[kind]
 
     def _sizes(self, kind: str) -> tuple:
-        spec = self._spec
+        spec = self.spec
         return (spec.param_numel, spec.param_dtype) if kind == "params" else (spec.grad_numel, spec.grad_dtype)
 
     def _path(self, rank: int, kind: str) -> str:
@@ -183,14 +182,14 @@ class ShmTransport(Transport):
 
     def recreate_own_windows(self, kinds: Collection[str]) -> None:
         self._generation += 1
-        self._new_guard = CleanupOnSignal().__enter__()
+        guard = self._new_guard = CleanupOnSignal().__enter__()
         try:
             self._new_lock = LockFile.create(self._path(self.rank, "lock"), self.rank, self.timeout_s)
-            self._track(self._path(self.rank, "lock"))
+            self._track(guard, self._path(self.rank, "lock"))
             for kind in kinds:
                 numel, dtype = self._sizes(kind)
                 path = self._path(self.rank, kind)
-                self._track(path)
+                self._track(guard, path)
                 try:
                     create_reserved(path, numel * _itemsize(dtype))
                 except SegmentSpaceError as err:
@@ -200,9 +199,9 @@ class ShmTransport(Transport):
             self.drop_own_windows(kinds)
             raise
 
-    def _track(self, path: str) -> None:
+    def _track(self, guard: CleanupOnSignal, path: str) -> None:
         self._new_files.append(path)
-        self._new_guard.track([path])
+        guard.track([path])
 
     def map_peer_windows(self, kinds: Collection[str]) -> None:
         for kind in kinds:

@@ -64,18 +64,19 @@ class Topology:
         """The ranks with this local rank on every node."""
         return tuple(ranks[local_rank] for ranks in self.nodes)
 
-    def check_multi_node_layout(self) -> None:
-        """Equal nodes, numbered node by node; otherwise an error naming what is not."""
+    def check_multi_node_layout(self) -> int:
+        """Equal nodes, numbered node by node; otherwise an error naming what is not. Returns the ranks per node."""
         sizes = {self.hosts[ranks[0]]: len(ranks) for ranks in self.nodes}
-        if self.local_world_size is None:
-            raise ODCConfigError(f"nodes hold different numbers of ranks ({sizes}); every node needs the same number")
         local = self.local_world_size
+        if local is None:
+            raise ODCConfigError(f"nodes hold different numbers of ranks ({sizes}); every node needs the same number")
         for n, ranks in enumerate(self.nodes):
             expected = tuple(range(n * local, (n + 1) * local))
             if ranks != expected:
                 raise ODCConfigError(f"ranks {list(ranks)} share host {self.hosts[ranks[0]]!r}; a multi-node layout "
                                      f"needs ranks numbered node by node ({list(expected)} there), as torchrun and "
                                      "the DeepSpeed launcher number them")
+        return local
 
     def describe(self) -> str:
         parts = "; ".join(f"{self.hosts[ranks[0]]}: {_span(ranks)}" for ranks in self.nodes)

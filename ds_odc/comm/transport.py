@@ -30,6 +30,7 @@ from ds_odc.comm.control import ControlBlock, ControlPlane, State
 from ds_odc.comm.failure import FailureRecord
 from ds_odc.comm.rendezvous import Rendezvous
 from ds_odc.comm.wording import NUMBERS, Wording
+from ds_odc.errors import ODCStateError
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,19 @@ class Transport(abc.ABC):
         self.timeout_s = timeout_s
         self.wording = wording  # how errors name round kinds and activities (the protocol's words)
         self.exchanges = 0  # rendezvous rounds so far; tests count them
-        self.plane: Optional[ControlPlane] = None  # set by allocate()
-        self.rendezvous: Optional[Rendezvous] = None
+        self._spec: Optional[WindowSpec] = None  # set by allocate(): see spec
+        self.plane: Optional[ControlPlane] = None  # from allocate() to close(): see control_plane
+        self.rendezvous: Optional[Rendezvous] = None  # likewise: see active_rendezvous
 
     # -- windows (per transport) ---------------------------------------------------------------------
+    @property
+    def spec(self) -> WindowSpec:
+        """The sizes :meth:`allocate` made the windows with."""
+        if self._spec is None:
+            raise ODCStateError(f"the {self.name} transport of rank {self.job_rank} has no windows: allocate() has "
+                                "not run")
+        return self._spec
+
     @abc.abstractmethod
     def allocate(self, spec: WindowSpec) -> None:
         """Create this rank's windows and map every peer's. Collective; called once. All or nothing:
@@ -144,6 +154,24 @@ class Transport(abc.ABC):
 
     # -- control plane (shared by every transport) -------------------------------------------------------
     @property
+    def control_plane(self) -> ControlPlane:
+        """:attr:`plane`, which exists from :meth:`allocate` to :meth:`close`; outside, an error saying so."""
+        if self.plane is None:
+            raise self._no_control_plane()
+        return self.plane
+
+    @property
+    def active_rendezvous(self) -> Rendezvous:
+        """:attr:`rendezvous` (this rank's rounds over the plane), from :meth:`allocate` to :meth:`close`."""
+        if self.rendezvous is None:
+            raise self._no_control_plane()
+        return self.rendezvous
+
+    def _no_control_plane(self) -> ODCStateError:
+        return ODCStateError(f"the {self.name} transport of rank {self.job_rank} has no control plane: allocate() "
+                             "has not run, or close() has")
+
+    @property
     def job_rank(self) -> int:
         """This rank's rank in the job (what errors and failure records name; ``ControlPlane.job_rank``
         maps a peer's block the same way)."""
@@ -155,15 +183,15 @@ class Transport(abc.ABC):
         failed, died, closed, stalled for ``timeout_s`` or is at another round raises
         :class:`~ds_odc.errors.ODCPeerError` naming it (see :mod:`ds_odc.comm.rendezvous`)."""
         self.exchanges += 1
-        return self.rendezvous.exchange(kind, step, values.to("cpu", torch.float64), what)
+        return self.active_rendezvous.exchange(kind, step, values.to("cpu", torch.float64), what)
 
     def heartbeat(self) -> None:
         """Tell peers waiting at a rendezvous that this rank is still making progress."""
-        self.plane.me.heartbeat()
+        self.control_plane.me.heartbeat()
 
     def note_activity(self, activity: int, step: int, count: int = 0) -> None:
         """Record what this rank is doing (peers' errors quote it)."""
-        self.plane.me.set_activity(activity, step, count)
+        self.control_plane.me.set_activity(activity, step, count)
 
     def mark_failed(self, record: FailureRecord) -> None:
         """Poison the group: every peer raises ``record`` at its next rendezvous."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+from types import FrameType
 from typing import Callable, Optional
 
 import torch
@@ -63,7 +64,7 @@ def tokens_of(inputs: tuple, kwargs: dict) -> Optional[int]:
 
 def inside_reentrant_checkpoint_save() -> bool:
     """True when called (from a pack hook) while torch's reentrant ``CheckpointFunction`` saves its inputs."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "apply":
             cls = frame.f_locals.get("cls")
@@ -133,9 +134,8 @@ class EngineOffload:
                                "offloaded (engine.odc_plan_activation_offload(tokens) names its token count)")
             yield
             return
-        if self.profile is None:
-            self._calibrate(run_forward, tokens)
-        decision = decide(tokens, self.profile, self.budget_bytes)
+        profile = self.profile if self.profile is not None else self._calibrate(run_forward, tokens)
+        decision = decide(tokens, profile, self.budget_bytes)
         if not decision.offloads:
             self.history.append(MicroBatchStats(tokens, 0, 0))
             yield
@@ -178,7 +178,7 @@ class EngineOffload:
                                         micro_batch.observed_kept / tokens)
             self.profile_tokens = tokens
 
-    def _calibrate(self, run_forward, tokens: int) -> None:
+    def _calibrate(self, run_forward, tokens: int) -> SavedProfile:
         self.profile = measure_profile(run_forward, tokens, self.device, self.is_parameter, self.eligible)
         self.profile_tokens = tokens
         self.copy_rate = measure_copy_rate(self.device, self.pool.pin)
@@ -193,6 +193,7 @@ class EngineOffload:
         if not self.profile.offloadable:
             logger.warning(f"ds_odc activation offload: mode {self.options.mode!r} finds no saved tensor to offload in "
                            "this model (\"checkpoint_inputs\" needs torch's reentrant activation checkpointing)")
+        return self.profile
 
 
 def offload_aware_cost(trainer, cost_model, measured: bool):

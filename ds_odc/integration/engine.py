@@ -40,7 +40,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStat
 from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
-from ds_odc.errors import ODCConfigError
+from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import checkpoints, group_teardown, hf_generation, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
@@ -100,6 +100,13 @@ class ODCEngine(DeepSpeedEngine):
             hf_generation.bind(self.module, lambda: self._odc_lockstep() is not None)
 
     @property
+    def _odc_state(self) -> _EngineState:
+        """``_odc``, which ``_configure_zero_optimizer`` sets while DeepSpeed builds the engine."""
+        if self._odc is None:
+            raise ODCStateError("this engine has no ODC state: DeepSpeed did not configure its ZeRO optimizer")
+        return self._odc
+
+    @property
     def odc_trains(self) -> bool:
         """Whether this engine trains on ODC (an engine without an optimizer is inference-only: frozen)."""
         return isinstance(self.optimizer, ODCStage3Optimizer)
@@ -135,7 +142,7 @@ class ODCEngine(DeepSpeedEngine):
         normalisation; the loss passed to backward must then be the *sum* over those tokens)."""
         if int(loss_tokens) != loss_tokens or loss_tokens < 0:
             raise ValueError(f"loss_tokens must be a non-negative integer, got {loss_tokens!r}")
-        self._odc.pending_tokens = int(loss_tokens)
+        self._odc_state.pending_tokens = int(loss_tokens)
 
     @property
     def odc_activation_offload(self) -> Optional[EngineOffload]:
@@ -158,7 +165,7 @@ class ODCEngine(DeepSpeedEngine):
         decided = self._odc_rule_for_backward(scale_wrt_gas)
         optimizer = self.optimizer
         seen = optimizer.odc_gradients_seen
-        offload = self._odc.activations
+        offload = self._odc_state.activations
         try:
             if offload is not None:
                 offload.before_backward()
@@ -253,16 +260,23 @@ class ODCEngine(DeepSpeedEngine):
     def odc_phase(self) -> Phase:
         """The step protocol's phase: IDLE, ACCUMULATING (gradients pushed since the last step), one
         of the step's phases, FAILED (the group failed: the engine refuses to continue) or CLOSED."""
-        return self.odc_runtime.phase
+        return self._odc_runtime_or_raise().phase
 
     @property
     def odc_last_step(self) -> Optional[StepTotals]:
         """Global micro-batch and token counts of the last optimizer step."""
-        return self.odc_runtime.last_totals
+        return self._odc_runtime_or_raise().last_totals
+
+    def _odc_runtime_or_raise(self) -> ODCRuntime:
+        runtime = self.odc_runtime
+        if runtime is None:
+            raise ODCStateError("this engine has no ODC runtime: an engine without an optimizer closes its session "
+                                "at destroy()")
+        return runtime
 
     # -- normalisation bookkeeping -----------------------------------------------------------------
     def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> _BackwardRule:
-        state = self._odc
+        state = self._odc_state
         tokens = state.pending_tokens
         if not peek:
             state.pending_tokens = None
@@ -312,16 +326,18 @@ class ODCEngine(DeepSpeedEngine):
         if not self._running_engine_backward and self.odc_trains:  # a torch-style loss.backward()
             decided = self._odc_rule_for_backward(scale_wrt_gas=True)
             self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
-            if self._odc.activations is not None:
-                self._odc.activations.after_backward()
+            activations = self._odc_state.activations
+            if activations is not None:
+                activations.after_backward()
         return super()._backward_post_hook()
 
     def _take_model_step(self, lr_kwargs):
         if not self.odc_trains:
             return super()._take_model_step(lr_kwargs)
         samples_before = self.global_samples
-        if self._odc.activations is not None:
-            self._odc.activations.at_step()
+        activations = self._odc_state.activations
+        if activations is not None:
+            activations.at_step()
         with self.optimizer.step_context() as step:
             super()._take_model_step(lr_kwargs)
         if step.totals is not None:  # every rank of an SP group counted the same micro-batches: count each once
@@ -329,16 +345,17 @@ class ODCEngine(DeepSpeedEngine):
             self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * micro_batches
 
     def _backward_epilogue(self):
-        self._odc.in_backward_epilogue = True
+        state = self._odc_state
+        state.in_backward_epilogue = True
         try:
             return super()._backward_epilogue()
         finally:
-            self._odc.in_backward_epilogue = False
+            state.in_backward_epilogue = False
 
     def allreduce_gradients(self, *args, **kwargs):
         """DeepSpeed's; called by the script itself (not by backward), it also fences gradients, so
         the optimizer's ``averaged_gradients`` hold every rank's micro-batches, as after ZeRO-3's."""
         result = super().allreduce_gradients(*args, **kwargs)
-        if not self._odc.in_backward_epilogue and self.odc_trains:
+        if not self._odc_state.in_backward_epilogue and self.odc_trains:
             self.optimizer._odc_fence_for_read("engine.allreduce_gradients()")
         return result

@@ -77,7 +77,7 @@ class BalancedStepSampler:
         self.epoch = epoch
         inner = self._inner
         for target in (inner, getattr(inner, "sampler", None)):
-            if hasattr(target, "set_epoch"):
+            if target is not None and hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
 
     def __len__(self) -> int:
@@ -133,7 +133,7 @@ def _decide_padding(config: BalanceConfig, dataset, collate_fn, members, length_
     """"padded" or "packed": as configured, or from collating two samples of different lengths."""
     if config.padding != "auto":
         return config.padding
-    by_length = {}
+    by_length: dict = {}  # length -> the first member of that length
     for index in members:
         by_length.setdefault(length_of(index), index)
         if len(by_length) == 2:

@@ -40,10 +40,10 @@ def _resolve_config(bound: inspect.BoundArguments):
     config = bound.arguments.get("config")
     if config is None:
         config = bound.arguments.get("config_params")
-    args = bound.arguments.get("args")
-    from_args = config is None and getattr(args, "deepspeed_config", None) is not None
+    args_config = getattr(bound.arguments.get("args"), "deepspeed_config", None)
+    from_args = config is None and args_config is not None
     if from_args:
-        config = args.deepspeed_config
+        config = args_config
     if config is not None and not isinstance(config, dict):
         config = load_ds_config(config)
     return config, from_args

@@ -76,16 +76,23 @@ def _last_line(code: types.CodeType) -> int:
     return max([line for _, _, line in code.co_lines() if line] + nested + [code.co_firstlineno])
 
 
+def _found_in(entry: PrivateName) -> str:
+    if entry.found_in is None:
+        raise ValueError(f"{entry.owner}.{entry.name}: a {entry.kind} check reads found_in, which is not set")
+    return entry.found_in
+
+
 def _source(entry: PrivateName, owner, cache: dict) -> str:
     """The text of ``entry.found_in``: a function's definition (the lines its code spans), or a file."""
-    key = (entry.owner, entry.found_in)
+    found_in = _found_in(entry)
+    key = (entry.owner, found_in)
     if key not in cache:
-        if "/" in entry.found_in:
+        if "/" in found_in:
             package_dir = os.path.dirname(inspect.getfile(importlib.import_module(entry.module)))
-            with open(os.path.join(package_dir, entry.found_in), encoding="utf-8", errors="replace") as file:
+            with open(os.path.join(package_dir, found_in), encoding="utf-8", errors="replace") as file:
                 cache[key] = file.read()
         else:
-            code = _code(getattr(owner, entry.found_in))
+            code = _code(getattr(owner, found_in))
             lines = linecache.getlines(code.co_filename)
             cache[key] = "".join(lines[code.co_firstlineno - 1:_last_line(code)])
     return cache[key]
@@ -116,7 +123,7 @@ def _present(entry: PrivateName, cache: dict) -> bool:
         if kind is Kind.DATACLASS_FIELD:
             return dataclasses.is_dataclass(owner) and entry.name in {f.name for f in dataclasses.fields(owner)}
         if kind is Kind.CALL_TIME_LOOKUP:
-            return entry.name in _code(getattr(owner, entry.found_in)).co_names
+            return entry.name in _code(getattr(owner, _found_in(entry))).co_names
         source = _source(entry, owner, cache)
     except Exception:  # noqa: BLE001 - a module that fails to import, a class or function gone: not there
         return False
@@ -127,8 +134,8 @@ def _present(entry: PrivateName, cache: dict) -> bool:
             cache[key] = _assigned_attributes(source, receiver)
         return _as_written_in(entry.cls, entry.name) in cache[key]
     if kind is Kind.CHECKPOINT_KEY:
-        key = re.escape(entry.name)
-        return re.search(rf"\b{key}=|['\"]{key}['\"]", source) is not None
+        escaped = re.escape(entry.name)
+        return re.search(rf"\b{escaped}=|['\"]{escaped}['\"]", source) is not None
     return entry.name in source  # Kind.FILE_NAME
 
 

@@ -17,6 +17,7 @@ work. Memory: the window replaces ZeRO-3's shard; start-up adds the session's co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
@@ -24,13 +25,16 @@ from ds_odc.integration import zero3_windows as windows
 from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import ODCRuntime, SessionPlan, Shard, open_session
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
 
 @dataclass
 class FrozenSession:
     """The ODC session of one frozen engine: its runtime, and the ZeRO-3 object whose gathers it serves."""
 
     runtime: ODCRuntime
-    zero3: object  # DeepSpeed's DeepSpeedZeRoOffload, whose gathers this session serves
+    zero3: DeepSpeedZeRoOffload  # whose gathers this session serves
 
     def offload(self, pin_memory: bool, non_blocking: bool) -> None:
         """``engine.offload_states()``: the parameter window to host memory, with every rank (collective);
@@ -52,7 +56,7 @@ class FrozenSession:
         self.runtime.close()
 
 
-def attach(offload, options: ODCConfig, timeout_s: float) -> FrozenSession:
+def attach(offload: DeepSpeedZeRoOffload, options: ODCConfig, timeout_s: float) -> FrozenSession:
     """Serve ``offload``'s (a ``DeepSpeedZeRoOffload``'s) gathers from an ODC session of frozen shards.
     Collective: every rank builds its engine at the same point."""
     params = sorted(windows.partitioned_params(offload), key=lambda p: p.ds_id)

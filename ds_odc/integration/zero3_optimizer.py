@@ -34,7 +34,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from ds_odc.config import ODCConfig
-from ds_odc.errors import ODCConfigError
+from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import zero3_windows as windows
 from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
 from ds_odc.integration.timeouts import resolve_timeout_s
@@ -80,7 +80,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, *args, odc_options: ODCConfig, odc_ledger: MicroBatchLedger, **kwargs):
         self._odc_options, self._odc_ledger = odc_options, odc_ledger
-        self.odc: ODCRuntime | None = None
+        self._odc_runtime: ODCRuntime | None = None  # opened by _create_fp16_partitions_with_defragmentation
         self.odc_step: StepContext | None = None
         self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward
         self._odc_hooks: list = []
@@ -99,6 +99,13 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         (pulls and pushes beat too, but prefetch and bucketing make those bursty)."""
         self.odc.transport.heartbeat()
 
+    @property
+    def odc(self) -> ODCRuntime:
+        """The ODC runtime, opened by ZeRO-3's construction of the partitions (so from the end of ``__init__`` on)."""
+        if self._odc_runtime is None:
+            raise ODCStateError("this ODC optimizer has no runtime yet: ZeRO-3 has not built its partitions")
+        return self._odc_runtime
+
     # -- construction ------------------------------------------------------------------------------
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
@@ -110,7 +117,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
                                  "(no model, tensor, pipeline or sequence parallelism yet)")
         plan = windows.session_plan(self, self._odc_options, resolve_timeout_s(self._odc_options.timeout_s))
-        self.odc = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc))
+        self._odc_runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc))
         release_allreduce_buffer(dist.get_rank())  # every rank passed the session's start-up collectives
         windows.adopt_param_window(self, self.odc)
 
@@ -156,7 +163,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # -- gradients read or dropped between backward and step -------------------------------------------
     def _odc_between_steps(self) -> bool:
-        return self.odc is not None and self.odc.phase in (Phase.IDLE, Phase.ACCUMULATING)
+        return self._odc_runtime is not None and self._odc_runtime.phase in (Phase.IDLE, Phase.ACCUMULATING)
 
     def _odc_fence_for_read(self, what: str) -> None:
         """Make every rank's pushes visible before a ZeRO-3 gradient read between backward and step."""
@@ -341,7 +348,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         offload = getattr(self, "parameter_offload", None)
         if offload is not None:
             restore_trace_checks(offload.get_param_coordinator())
-        if self.odc is None:
+        if self._odc_runtime is None:
             return
         windows.release_windows(self)
-        self.odc.close()
+        self._odc_runtime.close()

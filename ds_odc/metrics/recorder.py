@@ -173,7 +173,8 @@ class StepRecorder:
         start = next(times)
         resolved = [(s, next(times), next(times)) for s in spans]
         totals = dict.fromkeys(COMM_KINDS, 0.0)
-        inside = collections.Counter()  # charged span time per micro-batch (index) and in the optimizer (-1)
+        # charged span time per micro-batch (index) and in the optimizer (-1)
+        inside: collections.Counter[int] = collections.Counter()
         for span, begin, end in resolved:
             if span.kind in COMM_KINDS:
                 totals[span.kind] += end - begin

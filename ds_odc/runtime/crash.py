@@ -15,8 +15,12 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
-_live = weakref.WeakSet()
+if TYPE_CHECKING:
+    from ds_odc.runtime.step import StepProtocol
+
+_live: weakref.WeakSet[StepProtocol] = weakref.WeakSet()
 _lock = threading.Lock()
 _previous_hook = None
 

@@ -125,6 +125,8 @@ class WindowLayout:
 
     def grad_offset(self, slot: ShardSlot, node: int) -> int:
         """Offset of ``slot``'s gradient shard of the rank with this local rank on ``node``, in the accumulator."""
+        if slot.grad_offset is None:
+            raise ValueError(f"a frozen shard ({slot}) has no gradient in the accumulator")
         return self.blocks.trainable(node)[0] + slot.grad_offset
 
     def trainable_block(self, node: int) -> tuple[int, int]:

@@ -44,7 +44,7 @@ class SequenceParallelLockstep:
 
     def __init__(self, protocol: StepProtocol, group: int, members: Sequence[int], timeout_s: float):
         transport = protocol.transport
-        plane = transport.plane
+        plane = transport.control_plane
         first = plane.first_rank
         outside = [m for m in members if not first <= m < first + plane.world_size]
         if outside:
@@ -64,8 +64,8 @@ class SequenceParallelLockstep:
         """Publish one more forward and wait for every SP peer to begin it too (see the module docstring)."""
         protocol = self.protocol
         transport = protocol.transport
-        plane = transport.plane
         self.forwards += 1
+        plane, rendezvous = transport.control_plane, transport.active_rendezvous
         plane.me.set_forwards(self.forwards)
         step = protocol.step_number
         starting = protocol.ledger.micro_batches + 1
@@ -78,14 +78,14 @@ class SequenceParallelLockstep:
                 if not pending:
                     return
                 for r in pending:
-                    if plane.blocks[r].latest_seq() > transport.rendezvous.seq:
+                    if plane.blocks[r].latest_seq() > rendezvous.seq:
                         self._mismatch(r, starting, step)
                 watch.raise_on_failures(pending)
                 watch.poll(pending)
                 backoff.sleep()
 
     def _mismatch(self, peer: int, starting: int, step: int) -> None:
-        plane = self.protocol.transport.plane
+        plane = self.protocol.transport.control_plane
         block = plane.blocks[peer]
         _, _, done = block.activity()
         seq = block.latest_seq()

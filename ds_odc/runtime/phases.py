@@ -37,7 +37,7 @@ class Event(enum.Enum):
     CLOSE = "closing"
 
 
-TRANSITIONS = {
+TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
     (Phase.IDLE, Event.PULL): Phase.IDLE,
     (Phase.ACCUMULATING, Event.PULL): Phase.ACCUMULATING,
     (Phase.IDLE, Event.PUSH): Phase.ACCUMULATING,

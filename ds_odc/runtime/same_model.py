@@ -9,7 +9,7 @@ collective and, if they differ, fails on every rank naming the first differing p
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ds_odc.errors import ODCConfigError
 
@@ -48,11 +48,11 @@ def check_same_parameters(entries: List[Entry], group=None) -> None:
 
     world = tdist.get_world_size(group)
     digest = hashlib.sha256(repr([(n, tuple(s), t) for n, s, t in entries]).encode()).hexdigest()
-    digests = [None] * world
+    digests: List[Any] = [None] * world  # every rank's digest, once gathered
     tdist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) == 1:
         return
-    everyone = [None] * world
+    everyone: List[Any] = [None] * world  # every rank's entries, once gathered
     tdist.all_gather_object(everyone, [(n, tuple(s), t) for n, s, t in entries], group=group)
     raise ODCConfigError("the ranks built different models (ODC needs the same parameters, in the same order, on "
                          f"every rank): {first_difference(everyone)}")

@@ -382,10 +382,11 @@ class StepProtocol:
 
     def _usable(self) -> None:
         if self.phase is Phase.FAILED:
+            record = self.failure  # set by fail(), the only way into FAILED
             raise ODCGroupFailedError(
-                f"the ODC group failed earlier: {self.failure.describe()}. This engine refuses to pull, push or step "
-                "(results after a failure would be wrong): call engine.destroy(), restart the job and resume from the "
-                "last checkpoint", self.failure)
+                f"the ODC group failed earlier: {record.describe() if record is not None else 'no record'}. This "
+                "engine refuses to pull, push or step (results after a failure would be wrong): call engine.destroy(), "
+                "restart the job and resume from the last checkpoint", record)
         if self.phase is Phase.CLOSED:
             raise ODCStateError(f"this rank left training ({self.left})" if self.left else
                                 "this ODC engine was destroyed (engine.destroy()); build a new one")
