@@ -126,7 +126,7 @@ def rank_main(hiddens, layers, iters, name="cuda_ipc"):
     import torch.distributed as tdist
 
     from ds_odc.comm import WindowSpec, create_transport
-    from ds_odc.runtime.vocabulary import RoundKind
+    from ds_odc.runtime.round_kinds import RoundKind
     from tests.distributed.transports import CASES
 
     rank, world = tdist.get_rank(), tdist.get_world_size()

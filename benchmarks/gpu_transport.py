@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/gpu_transport.py` from a checkout puts only benchmarks/ there
     sys.path.insert(0, ROOT)
 
-from ds_odc.runtime.vocabulary import RoundKind  # noqa: E402
+from ds_odc.runtime.round_kinds import RoundKind  # noqa: E402
 
 MIB = 1 << 20
 

@@ -16,7 +16,7 @@ from ds_odc.integration import clean_exit  # noqa: E402
 clean_exit.install()  # gloo workers finish before Python finalizes (see clean_exit.py)
 
 from ds_odc.engine import ODCEngine  # noqa: E402
-from ds_odc.runtime import Normalisation, Phase  # noqa: E402
+from ds_odc.runtime import LossNormalization, Phase  # noqa: E402
 
 __all__ = ["ODCConfig", "ODCEngine", "ODCError", "ODCConfigError", "ODCPeerError", "ODCTimeoutError",
-           "Normalisation", "Phase", "canonicalize", "register", "__version__"]
+           "LossNormalization", "Phase", "canonicalize", "register", "__version__"]

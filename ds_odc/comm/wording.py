@@ -1,7 +1,7 @@
 """How the control plane's errors name rounds and activities: the words come from the protocol above.
 
 The control blocks carry a round's kind and a rank's activity as numbers; only the step protocol
-(``ds_odc.runtime.vocabulary``) knows what they mean. It hands a :class:`Wording` to the transport it
+(``ds_odc.runtime.round_kinds``) knows what they mean. It hands a :class:`Wording` to the transport it
 opens, so that a peer's error reads "rank 1 is at round 3 (the step fence (engine.step), step 2)"
 rather than "round kind 1". Without one, errors print the numbers.
 """

@@ -46,20 +46,20 @@ from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
-from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, Phase, StepTotals
+from ds_odc.runtime import LossNormalization, MicroBatchLedger, ODCRuntime, Phase, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
 
 
 @dataclass(frozen=True)
 class _BackwardRule:
-    rule: Normalisation
+    rule: LossNormalization
     tokens: int = 0
 
     @property
     def skips_gas_division(self) -> bool:
         """Per-token micro-batches are not divided by ``gradient_accumulation_steps``; the others keep
         DeepSpeed's division (MEAN corrects it at the step, CALLER is the caller's choice)."""
-        return self.rule is Normalisation.TOKEN
+        return self.rule is LossNormalization.TOKEN
 
 
 @dataclass
@@ -281,16 +281,16 @@ class ODCEngine(DeepSpeedEngine):
         if not peek:
             state.pending_tokens = None
         if tokens is not None:
-            return _BackwardRule(Normalisation.TOKEN, tokens)
+            return _BackwardRule(LossNormalization.TOKEN, tokens)
         if state.options.loss_normalization == "token":
             raise ODCConfigError("zero_optimization.odc.loss_normalization='token': this backward has no token "
                                  "count; call engine.backward(loss, loss_tokens=n) or engine.set_loss_tokens(n)")
         # With gradient_accumulation_steps 1 every backward is its own boundary: several before one step is
         # the caller accumulating (OpenRLHF's actor update), which ZeRO-3 sums; the mean would divide by the
-        # count (README, "Normalisation"). The two rules agree for one backward per rank.
+        # count (README, "LossNormalization"). The two rules agree for one backward per rank.
         if self.managed_gradient_accumulation() and scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            return _BackwardRule(Normalisation.MEAN)
-        return _BackwardRule(Normalisation.CALLER)
+            return _BackwardRule(LossNormalization.MEAN)
+        return _BackwardRule(LossNormalization.CALLER)
 
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):

@@ -5,7 +5,7 @@ ODC engines record by default (``zero_optimization.odc.metrics``); ``engine.odc_
 DeepSpeed engine (ZeRO-3 for a side-by-side comparison) records after ``attach(engine)``.
 """
 from ds_odc.metrics.recorder import StepRecorder
-from ds_odc.metrics.report import StepReport, step_line, utilisation
+from ds_odc.metrics.step_report import StepReport, step_line, utilisation
 
 
 def attach(engine, log_interval: int = 0) -> StepRecorder:

@@ -7,7 +7,7 @@ twice (two pulls queued back to back) counts once. On a GPU the timeline comes f
 ([Note: GPU spans] in :mod:`ds_odc.metrics.timing`), so this is overlap on the device, not in the host's
 queueing.
 
->>> from ds_odc.metrics.report import StepReport
+>>> from ds_odc.metrics.step_report import StepReport
 >>> events = (("micro_batch", 0.0, 10.0), ("gather", 2.0, 3.0), ("pull", 1.0, 4.0), ("push", 9.0, 12.0))
 >>> r = StepReport(rank=0, step=0, start=0.0, wall_s=12.0, compute_s=(9.0,), gather_s=1.0, reduce_s=0.0,
 ...                step_wait_s=0.0, optimizer_s=0.0, events=events, timing="cuda-events")
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, NamedTuple, Sequence, Tuple
 
-from ds_odc.metrics.report import StepReport
+from ds_odc.metrics.step_report import StepReport
 
 Interval = Tuple[float, float]
 STALLS = ("gather", "reduce", "step_wait")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ds_odc.errors import ODCError
-from ds_odc.metrics.report import StepReport, utilisation
+from ds_odc.metrics.step_report import StepReport, utilisation
 
 COLOURS = {"compute": "#2e7d32", "gather": "#f9a825", "reduce": "#ef6c00", "step_wait": "#c62828",
            "optimizer": "#1565c0", "pull": "#8d6e63", "push": "#6a1b9a"}

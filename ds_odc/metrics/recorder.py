@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
-from ds_odc.metrics.report import StepReport
+from ds_odc.metrics.step_report import StepReport
 
 COMM_KINDS = ("gather", "reduce", "step_wait")
 #: Kinds of :meth:`StepRecorder.device_span`: work on a side stream, drawn but not charged to the step.

@@ -16,9 +16,9 @@ from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.transport import Transport
 from ds_odc.runtime.layout import WindowLayout, owner_slices
-from ds_odc.runtime.ledger import FENCE_WIDTH, MicroBatchLedger, Normalisation, StepTotals
+from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
+from ds_odc.runtime.round_kinds import RoundKind
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
-from ds_odc.runtime.vocabulary import RoundKind
 
 #: The most values :meth:`ODCRuntime.exchange_values` carries in one round.
 VALUES_WIDTH = 8
@@ -136,7 +136,7 @@ class ODCRuntime:
         self.pushes += 1
         self.transport.heartbeat()
 
-    def record_micro_batch(self, rule: Normalisation, tokens: int = 0) -> None:
+    def record_micro_batch(self, rule: LossNormalization, tokens: int = 0) -> None:
         """One backward finished on this rank, under ``rule`` (see :mod:`ds_odc.runtime.ledger`)."""
         self.protocol.record_micro_batch(rule, tokens)
 

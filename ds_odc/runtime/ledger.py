@@ -23,21 +23,21 @@ import torch
 from ds_odc.errors import ODCPeerError
 
 
-class Normalisation(enum.IntEnum):
+class LossNormalization(enum.IntEnum):
     MEAN = 0
     CALLER = 1
     TOKEN = 2
 
 
 #: Layout of a rank's contribution to the fence: micro-batches per rule, then loss tokens.
-FENCE_WIDTH = len(Normalisation) + 1
+FENCE_WIDTH = len(LossNormalization) + 1
 
 
 @dataclass(frozen=True)
 class StepTotals:
     """What the fence learned: global micro-batch counts per rule and the global token count."""
 
-    micro_batches: tuple  # per Normalisation
+    micro_batches: tuple  # per LossNormalization
     tokens: int
     per_rank_micro_batches: tuple  # all rules together, one entry per rank
 
@@ -45,8 +45,8 @@ class StepTotals:
     def total_micro_batches(self) -> int:
         return sum(self.micro_batches)
 
-    def rule(self) -> Normalisation | None:
-        used = [rule for rule in Normalisation if self.micro_batches[rule]]
+    def rule(self) -> LossNormalization | None:
+        used = [rule for rule in LossNormalization if self.micro_batches[rule]]
         if len(used) > 1:
             raise ODCPeerError(
                 "micro-batches of one optimizer step used different normalisation rules "
@@ -63,9 +63,9 @@ class StepTotals:
         rule = self.rule()
         if rule is None:
             return 1.0  # no micro-batch anywhere: nothing was pushed
-        if rule is Normalisation.MEAN:
-            return self.micro_batches[Normalisation.MEAN] / (gas * world_size)
-        if rule is Normalisation.CALLER:
+        if rule is LossNormalization.MEAN:
+            return self.micro_batches[LossNormalization.MEAN] / (gas * world_size)
+        if rule is LossNormalization.CALLER:
             return 1.0
         return max(self.tokens, 1) / world_size  # zero tokens everywhere: gradients are all zero
 
@@ -77,10 +77,10 @@ class MicroBatchLedger:
         self.reset()
 
     def reset(self) -> None:
-        self.counts = [0] * len(Normalisation)
+        self.counts = [0] * len(LossNormalization)
         self.tokens = 0
 
-    def record(self, rule: Normalisation, tokens: int = 0) -> None:
+    def record(self, rule: LossNormalization, tokens: int = 0) -> None:
         if tokens < 0:
             raise ValueError(f"loss_tokens must be >= 0, got {tokens}")
         self.counts[rule] += 1
@@ -97,6 +97,6 @@ class MicroBatchLedger:
     def totals(rows: torch.Tensor) -> StepTotals:
         """Combine every rank's :meth:`fence_vector` (rows of the rendezvous result)."""
         summed = rows.sum(0)
-        counts = tuple(int(round(x)) for x in summed[:len(Normalisation)].tolist())
-        per_rank = tuple(int(round(x)) for x in rows[:, :len(Normalisation)].sum(1).tolist())
-        return StepTotals(counts, int(round(summed[len(Normalisation)].item())), per_rank)
+        counts = tuple(int(round(x)) for x in summed[:len(LossNormalization)].tolist())
+        per_rank = tuple(int(round(x)) for x in rows[:, :len(LossNormalization)].sum(1).tolist())
+        return StepTotals(counts, int(round(summed[len(LossNormalization)].item())), per_rank)

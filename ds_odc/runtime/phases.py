@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 from ds_odc.errors import ODCStateError
-from ds_odc.runtime.vocabulary import RoundKind
+from ds_odc.runtime.round_kinds import RoundKind
 
 
 class Phase(enum.Enum):

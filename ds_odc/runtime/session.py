@@ -25,7 +25,7 @@ from ds_odc.comm.nodes import JobNodes, job_nodes
 from ds_odc.runtime.core import ODCRuntime
 from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.ledger import MicroBatchLedger
-from ds_odc.runtime.vocabulary import PROTOCOL_WORDING
+from ds_odc.runtime.round_kinds import PROTOCOL_WORDING
 
 
 @dataclass(frozen=True)

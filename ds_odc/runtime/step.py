@@ -73,7 +73,7 @@ from ds_odc.runtime import crash
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import WindowStash, describe, disagreement, mask
-from ds_odc.runtime.vocabulary import Activity, RoundKind
+from ds_odc.runtime.round_kinds import Activity, RoundKind
 
 _EMPTY = torch.zeros(0, dtype=torch.float64)
 #: The rounds outside a step that read or write a window, and which one.

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.comm.allocation import NodeAllocation
-from ds_odc.runtime.vocabulary import RoundKind
+from ds_odc.runtime.round_kinds import RoundKind
 from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 PHASES = ("allocate", "forward", "pull", "push", "fence", "norm", "publish", "save")

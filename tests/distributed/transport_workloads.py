@@ -14,7 +14,7 @@ import torch.distributed as tdist
 
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.comm.batch import Transfer
-from ds_odc.runtime.vocabulary import RoundKind
+from ds_odc.runtime.round_kinds import RoundKind
 from tests.distributed.transports import CASES
 
 #: Window dtypes the pull checks cover, and the element offsets (aligned and not) they read from.

@@ -15,7 +15,7 @@ from ds_odc.comm.control import ControlBlock, State, block_words
 from ds_odc.comm.ordering import memory_ordering
 from ds_odc.comm.transport import Transport, WindowSpec
 from ds_odc.runtime import MicroBatchLedger, ODCRuntime, StepUpdate, WindowLayout
-from ds_odc.runtime.vocabulary import PROTOCOL_WORDING
+from ds_odc.runtime.round_kinds import PROTOCOL_WORDING
 
 
 class LoopbackGroup:

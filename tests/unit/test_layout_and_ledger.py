@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ds_odc.errors import ODCPeerError
-from ds_odc.runtime import MicroBatchLedger, Normalisation, WindowLayout, owner_slices
+from ds_odc.runtime import LossNormalization, MicroBatchLedger, WindowLayout, owner_slices
 
 
 @pytest.mark.parametrize("numel,world", [(1, 1), (1, 4), (5, 2), (53, 4), (64, 4), (7, 3)])
@@ -52,10 +52,10 @@ def test_mixed_rules_in_one_step_are_an_error():
 
 def test_ledger_records_and_resets():
     ledger = MicroBatchLedger()
-    ledger.record(Normalisation.TOKEN, 5)
-    ledger.record(Normalisation.TOKEN, 0)
+    ledger.record(LossNormalization.TOKEN, 5)
+    ledger.record(LossNormalization.TOKEN, 0)
     assert ledger.fence_vector().tolist() == [0, 0, 2, 5]
     ledger.reset()
     assert ledger.micro_batches == 0
     with pytest.raises(ValueError):
-        ledger.record(Normalisation.TOKEN, -1)
+        ledger.record(LossNormalization.TOKEN, -1)

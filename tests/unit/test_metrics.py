@@ -213,9 +213,9 @@ def test_overlap_and_report_examples():
     import doctest
 
     import ds_odc.metrics.overlap
-    import ds_odc.metrics.report
+    import ds_odc.metrics.step_report
 
-    for module in (ds_odc.metrics.overlap, ds_odc.metrics.report):
+    for module in (ds_odc.metrics.overlap, ds_odc.metrics.step_report):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 

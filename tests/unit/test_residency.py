@@ -3,7 +3,7 @@ over the real control plane and step protocol, the loopback transport's windows 
 import torch
 
 from ds_odc.errors import ODCPeerError, ODCStateError
-from ds_odc.runtime import Normalisation
+from ds_odc.runtime import LossNormalization
 from ds_odc.runtime.residency import describe, disagreement, kinds_of, mask
 from tests.unit.loopback import LoopbackGroup, Update, runtime_for
 
@@ -24,7 +24,7 @@ def test_windows_away_keep_their_content_refuse_pulls_pushes_and_steps_until_the
         runtime = runtime_for(transport, numel=8)
         runtime.own_trainable_shards().fill_(rank + 1.0)
         runtime.push(0, torch.full((16,), 2.0))  # gradients pushed before the offload must survive it
-        runtime.record_micro_batch(Normalisation.MEAN)
+        runtime.record_micro_batch(LossNormalization.MEAN)
         moved = runtime.offload_windows({"params", "grads"})
         during = (sorted(runtime.windows_away), group.params[rank] is None,
                   runtime.own_trainable_shards().tolist(), runtime.own_gradients().tolist())

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ds_odc.errors import ODCPeerError, ODCStateError
-from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, WindowLayout
+from ds_odc.runtime import LossNormalization, MicroBatchLedger, ODCRuntime, WindowLayout
 from ds_odc.runtime.phases import Event, Phase, StepStateMachine
 from tests.unit.loopback import LoopbackGroup, Update, runtime_for
 
@@ -26,7 +26,7 @@ def test_the_open_round_runs_once_before_anything_else_whatever_each_rank_does_f
         if rank == 0:
             pulled = runtime.pull(0, torch.empty(32))
             runtime.push(0, torch.ones(32))
-            runtime.record_micro_batch(Normalisation.MEAN)
+            runtime.record_micro_batch(LossNormalization.MEAN)
         else:
             pulled = None
         runtime.step(Update(transport))
@@ -47,7 +47,7 @@ def test_a_gradient_fence_shows_every_rank_s_pushes_and_keeps_the_counts():
         runtime = runtime_for(transport, numel=8)
         if rank == 0:
             runtime.push(0, torch.full((16,), 4.0))
-            runtime.record_micro_batch(Normalisation.MEAN)
+            runtime.record_micro_batch(LossNormalization.MEAN)
         runtime.sync_gradients("reading gradients")
         seen = transport.local_grad_accumulator()[:8].clone()
         phase = runtime.phase
@@ -68,13 +68,13 @@ def test_discarding_gradients_zeroes_every_accumulator_and_count_on_every_rank()
     def rank_fn(rank, transport):
         runtime = runtime_for(transport, numel=8)
         runtime.push(0, torch.full((16,), 3.0))
-        runtime.record_micro_batch(Normalisation.MEAN)
+        runtime.record_micro_batch(LossNormalization.MEAN)
         runtime.discard_gradients("optimizer.zero_grad()")
         after_discard = transport.local_grad_accumulator().clone()
         phase = runtime.phase
         runtime.barrier("every rank looked")  # a peer may push the next micro-batch at once
         runtime.push(0, torch.full((16,), float(rank + 1)))
-        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.record_micro_batch(LossNormalization.CALLER)
         update = Update(transport)
         totals = runtime.step(update)
         return after_discard, phase, totals.per_rank_micro_batches, update.norms.total()
@@ -102,11 +102,11 @@ def test_a_step_right_after_a_discard_with_no_micro_batch_anywhere_uses_the_old_
     def rank_fn(rank, transport, again):
         runtime = runtime_for(transport, numel=8)
         runtime.push(0, torch.full((16,), 2.0))
-        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.record_micro_batch(LossNormalization.CALLER)
         runtime.discard_gradients("optimizer.zero_grad()")
         if again and rank == 1:
             runtime.push(0, torch.full((16,), 6.0))
-            runtime.record_micro_batch(Normalisation.CALLER)
+            runtime.record_micro_batch(LossNormalization.CALLER)
         update = Update(transport)
         runtime.step(update)
         return update.norms.total()
@@ -191,7 +191,7 @@ def test_gradient_norms_between_backward_and_step_sum_every_owner_and_leave_the_
     def rank_fn(rank, transport):
         runtime = runtime_for(transport)
         runtime.push(0, torch.full((32,), 2.0 * (rank + 1)))  # pushes arrive divided by the world size
-        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.record_micro_batch(LossNormalization.CALLER)
         runtime.sync_gradients("a test read")
         norms = runtime.gradient_norms(transport.local_grad_accumulator().double().square().sum().reshape(1), "test")
         update = Update(transport)

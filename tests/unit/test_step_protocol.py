@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ds_odc.errors import ODCGroupFailedError, ODCPeerError, ODCStateError
-from ds_odc.runtime import MicroBatchLedger, Normalisation
+from ds_odc.runtime import LossNormalization, MicroBatchLedger
 from ds_odc.runtime.phases import TRANSITIONS, Event, Phase, StepStateMachine
+from ds_odc.runtime.round_kinds import Activity, RoundKind
 from ds_odc.runtime.step import StepProtocol
-from ds_odc.runtime.vocabulary import Activity, RoundKind
 from tests.unit.loopback import LoopbackGroup, Update, runtime_for
 
 
@@ -44,7 +44,7 @@ def test_a_step_fences_normalises_norms_updates_and_publishes_in_three_rounds():
         runtime = runtime_for(transport, numel=8)
         grad = torch.full((16,), float(rank + 1))
         runtime.push(0, grad)
-        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.record_micro_batch(LossNormalization.CALLER)
         assert runtime.phase is Phase.ACCUMULATING
         update = Update(transport)
         totals = runtime.step(update)
@@ -55,7 +55,7 @@ def test_a_step_fences_normalises_norms_updates_and_publishes_in_three_rounds():
     for ok, value in results:
         assert ok, value
         totals, norm, rounds, phase, step_number, pulled = value
-        assert totals.micro_batches[Normalisation.CALLER] == 2 and totals.per_rank_micro_batches == (1, 1)
+        assert totals.micro_batches[LossNormalization.CALLER] == 2 and totals.per_rank_micro_batches == (1, 1)
         # CALLER divides the sum (1 + 2 = 3 per element) by the world size: 1.5 in each of 16 elements
         assert norm == pytest.approx((16 * 1.5**2) ** 0.5)
         assert rounds == 1 + 3 and phase is Phase.IDLE and step_number == 2  # the open round, then the step's
@@ -153,7 +153,7 @@ def test_a_timed_out_fence_retried_is_refused_and_the_late_rank_raises():
     def rank_fn(rank, transport):
         runtime = runtime_for(transport)
         runtime.push(0, torch.ones(32))
-        runtime.record_micro_batch(Normalisation.CALLER)
+        runtime.record_micro_batch(LossNormalization.CALLER)
         if rank == 0:
             time.sleep(1.5)  # host-side work longer than the timeout, no heartbeat
         outcomes = []
@@ -201,7 +201,7 @@ def test_mixed_normalisation_rules_fail_every_rank_instead_of_wedging_the_engine
     def rank_fn(rank, transport):
         runtime = runtime_for(transport)
         runtime.push(0, torch.ones(32))
-        runtime.record_micro_batch(Normalisation.TOKEN if rank == 0 else Normalisation.MEAN, tokens=3)
+        runtime.record_micro_batch(LossNormalization.TOKEN if rank == 0 else LossNormalization.MEAN, tokens=3)
         with pytest.raises(ODCPeerError, match="different normalisation rules"):
             runtime.step(Update(transport))
         with pytest.raises(ODCGroupFailedError, match="different normalisation rules"):
@@ -238,7 +238,7 @@ def test_activity_follows_the_protocol():
     runtime.pull(0, torch.empty(16))
     assert seen_by_peers() == "running forward/backward of step 1 (0 micro-batches done)"
     runtime.push(0, torch.ones(16))
-    runtime.record_micro_batch(Normalisation.MEAN)
+    runtime.record_micro_batch(LossNormalization.MEAN)
     assert seen_by_peers() == "running forward/backward of step 1 (1 micro-batches done)"
     runtime.step(Update(transport))
     assert seen_by_peers() == "idle before step 2 (no micro-batch of it yet)"
