@@ -114,7 +114,7 @@ def save_checkpoint(engine, save, save_dir, tag, client_state, save_latest, excl
     if engine.checkpoint_engine.is_decoupled() or runtime is None:  # decoupled engines commit ``latest`` later
         return save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    with runtime.protocol.saving():
+    with runtime.saving():
         with _barriers_as_rounds(runtime):
             result = save(save_dir, tag, client_state=client_state, save_latest=False,
                           exclude_frozen_parameters=exclude_frozen_parameters)

@@ -309,7 +309,7 @@ class ODCEngine(DeepSpeedEngine):
             self._odc.frozen = zero3_frozen.attach(built, self._odc.options, timeout_s)
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         else:
-            self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc.protocol, timeout_s)
+            self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc, timeout_s)
             if self._odc.lockstep is not None:
                 sequence_parallel.register(self._odc.lockstep)
         return built

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch.distributed as tdist
 
+from ds_odc.runtime import ODCRuntime
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
 
 
@@ -26,14 +27,14 @@ def sequence_parallel_size(engine) -> int:
     return int(getattr(engine, "sequence_parallel_size", 1) or 1)
 
 
-def lockstep_for(engine, protocol, timeout_s: float) -> Optional[SequenceParallelLockstep]:
-    """The SP lockstep of a training engine whose ``mpu`` has SP groups (None without); ``protocol``: the
-    step protocol of its optimizer."""
+def lockstep_for(engine, runtime: ODCRuntime, timeout_s: float) -> Optional[SequenceParallelLockstep]:
+    """The SP lockstep of a training engine whose ``mpu`` has SP groups (None without); ``runtime``: its
+    optimizer's ODC runtime."""
     size = sequence_parallel_size(engine)
     if size <= 1:
         return None
     members = sorted(tdist.get_process_group_ranks(engine.seq_parallel_group))
-    return SequenceParallelLockstep(protocol, members[0] // size, members, timeout_s)
+    return runtime.sequence_parallel_lockstep(members[0] // size, members, timeout_s)
 
 
 _training_locksteps: list[SequenceParallelLockstep] = []  # of this process's training engines, newest last

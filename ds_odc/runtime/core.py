@@ -8,7 +8,8 @@ leaves owners' accumulators with partial sums: the step could never be right).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -17,6 +18,7 @@ from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.transport import Transport
 from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
+from ds_odc.runtime.lockstep import SequenceParallelLockstep
 from ds_odc.runtime.round_kinds import RoundKind
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
 
@@ -181,6 +183,17 @@ class ODCRuntime:
     def discard_gradients(self, what: str) -> None:
         """Drop every rank's gradients since the last step (collective; ``optimizer.zero_grad()``)."""
         self.protocol.discard_gradients(what)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a checkpoint save: peers' errors say this rank is saving, and a failure inside fails the group."""
+        with self.protocol.saving():
+            yield
+
+    def sequence_parallel_lockstep(self, group: int, members: Sequence[int], timeout_s: float
+                                   ) -> SequenceParallelLockstep:
+        """The lockstep of SP group ``group`` (job ranks ``members``): its ranks begin the same forwards."""
+        return SequenceParallelLockstep(self.protocol, group, members, timeout_s)
 
     def barrier(self, what: str) -> None:
         """A barrier that fails fast, naming the rank, when a peer fails, dies or stalls."""
