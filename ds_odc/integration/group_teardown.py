@@ -6,7 +6,9 @@ process group between steps, so nothing else would tell them before their no-pro
 ``torch.distributed.destroy_process_group`` of the default group (or of every group) first marks each
 live engine as closed, saying why, then runs torch's: every peer still waiting for this rank raises within
 milliseconds, naming it (:func:`ds_odc.runtime.crash.left`); a peer this rank already met (the last round
-of a job that ends without ``engine.destroy()``) is unaffected. An engine destroyed first is not alive any
+of a job that ends without ``engine.destroy()``) is unaffected. Torn down in a ``finally`` while an exception
+is on its way out (``try: train() finally: destroy_process_group()``), the group fails with that exception
+instead, so peers see the error itself, as for an uncaught one. An engine destroyed first is not alive any
 more, so the usual order, ``engine.destroy()`` then ``destroy_process_group()``, reports nothing.
 
 The replacement is installed when the first ODC engine is built and delegates to torch's function for
@@ -15,6 +17,8 @@ everything (a job without an ODC engine, or a subgroup); it is looked up at call
 script imported before ds_odc was keeps torch's function: the peers then learn of it at their bound).
 """
 from __future__ import annotations
+
+import sys
 
 import torch.distributed as tdist
 
@@ -31,5 +35,6 @@ def install() -> None:
 
 def _destroy_process_group(original, group=None, *args, **kwargs):
     if group is None or group is tdist.GroupMember.WORLD:
-        crash.left("destroy_process_group() with its ODC engine still open")
+        # inside a ``finally`` of a failing run the exception is still in flight: report it, not just "left"
+        crash.left("destroy_process_group() with its ODC engine still open", sys.exc_info()[1])
     return original(group, *args, **kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from ds_odc.runtime.step import StepProtocol
@@ -58,14 +58,21 @@ def _report_then_chain(exc_type, exc, traceback) -> None:
 
 
 
-def left(reason: str) -> int:
+
+def left(reason: str, in_flight: Optional[BaseException] = None) -> int:
     """This process left training with ODC engines still open (it tore its process group down without
     ``engine.destroy()``): each live engine says so in its control block, so that peers waiting for this
-    rank raise at once, naming it and ``reason``, instead of at their no-progress bound. Returns how many."""
+    rank raise at once, naming it and ``reason``, instead of at their no-progress bound. With an exception
+    ``in_flight`` (the teardown runs in a ``finally`` on the way out of a failed run) the group fails with
+    that exception instead, as an uncaught one would have (the hook below would come too late: the engine
+    is closed by then). Returns how many engines."""
     engines = list(_live)
     for protocol in engines:
         try:
-            protocol.leave(reason)
+            if in_flight is not None:
+                protocol.fail(in_flight, f"an exception on the way out of training ({reason})")
+            else:
+                protocol.leave(reason)
         except Exception:  # noqa: BLE001 - a teardown must go on whatever the report meets
             pass
     return len(engines)

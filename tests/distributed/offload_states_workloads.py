@@ -308,7 +308,8 @@ def device_memory_while_away(transport: str, hidden: int = 2048):
 def leaves_training(how: str, marker: str, timeout_s: float = 60.0):
     """Rank 0 meets an exception of its own code after step 1 and leaves training, its process alive:
     ``destroy`` (engine.destroy()), ``destroy_process_group`` (the group torn down, the engine left open) or
-    ``idle`` (nothing: it just stops). Rank 1 trains on into step 2's fence. Returns what rank 1 raised and
+    ``finally`` (the group torn down in a ``finally`` while the exception is in flight) or ``idle`` (nothing:
+    it just stops). Rank 1 trains on into step 2's fence. Returns what rank 1 raised and
     how long it waited; rank 0 stays alive until rank 1 has its answer."""
     import os
     import time
@@ -320,13 +321,19 @@ def leaves_training(how: str, marker: str, timeout_s: float = 60.0):
         _micro_batches(engine, step, [0], token=False)
         engine.step()
     if rank == 0:
+        time.sleep(1.0)  # rank 1 is past the last round they shared (a failure record would reach it there)
         try:
+            if how == "finally":  # torn down on the way out of the failing code: the exception is in flight
+                try:
+                    raise AssertionError("memory did not shrink")
+                finally:
+                    tdist.destroy_process_group()
             raise AssertionError("memory did not shrink")  # the caller's own check, caught by its harness
         except AssertionError:
             if how == "destroy":
                 engine.destroy()
-            elif how == "destroy_process_group":
-                tdist.destroy_process_group()
+        if how == "destroy_process_group":  # after the exception was handled: nothing in flight
+            tdist.destroy_process_group()
         deadline = time.monotonic() + 3 * timeout_s
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -50,6 +50,7 @@ def test_bad_configs_fail_at_initialize_naming_the_field():
 @pytest.mark.parametrize("how,error,words,bound_s", [
     ("destroy", "ODCPeerError", "closed its engine (engine.destroy())", 2),
     ("destroy_process_group", "ODCPeerError", "left training", 2),
+    ("finally", "ODCPeerError", "AssertionError: memory did not shrink", 2),
     ("idle", "ODCTimeoutError", "made no progress for 4s", 30),
 ])
 def test_a_rank_that_leaves_training_alive_is_named_by_its_peers(tmp_path, how, error, words, bound_s):

@@ -86,7 +86,9 @@ def test_fault(phase, action, target, tmp_path, tmp_path_factory):
         assert kind in ("ODCPeerError", "ODCTimeoutError", "ODCGroupFailedError", "ODCConfigError"), (kind, message)
         assert f"rank {target}" in message, message
         if action in ("retry", "uncaught"):
-            assert "InjectedFault" in message or "exited" in message, message
+            # the harness catches the target's exception, reports it, then tears its group down: the peers
+            # learn of that (left training), or of its exit, or of the exception itself
+            assert any(cause in message for cause in ("InjectedFault", "exited", "left training")), message
         assert raised_at - fired_at < bound, (raised_at - fired_at, message)
 
     status, outcome = report.outcomes.get(target, ("hung", None))
