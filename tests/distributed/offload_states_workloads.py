@@ -58,7 +58,7 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
     record = {"losses": [], "params": []}
     for step in range(steps):
         first = 0
-        if step in calls and mid_accumulation:
+        if step in calls and mid_accumulation and counts[rank] > 0:
             record["losses"] += _micro_batches(engine, step, [0], token)
             first = 1
         if step in calls:

@@ -15,6 +15,7 @@ pytestmark = gpu_suite_skip()
 
 def test_training_after_offload_and_reload_on_the_gpu_equals_training_without():
     case = {"transport": CASE.name, "counts": (1, 3), "bf16": True, "token": True, "mid_accumulation": True,
+            "odc": {"accumulator_dtype": "fp64"},
             "steps": 5, "calls": {1: ["lp_params", "lp_grads"], 2: None, 3: ["lp_grads"]}, "non_blocking": True}
     for rank, result in enumerate(run_ranks(offload_round_trip, 2, case, env=rank_env(CASE.name, 2), timeout=300)):
         plain, offloaded = result["plain"], result["offloaded"]
