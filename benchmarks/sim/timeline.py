@@ -83,11 +83,17 @@ def simulate_step(plan: Plan, hardware: Hardware, scheme: str, cost_model: CostM
         step = max(finish, default=0.0) + hardware.optimizer_seconds
         counts = tuple(depth for _ in costs)
     else:
-        finish = [_run_group([c], hardware, hardware.pull_seconds, hardware.push_seconds,
-                             hardware.odc_micro_batch_seconds)[0] for c in costs]
+        finish = [odc_rank_seconds(c, hardware) for c in costs]
         step = max(finish, default=0.0) + hardware.fence_seconds + hardware.optimizer_seconds
         counts = tuple(len(c) for c in costs)
     return StepResult(scheme, step, tuple(finish), tuple(sum(c) for c in costs), counts)
+
+
+def odc_rank_seconds(micro_batch_costs: Sequence[float], hardware: Hardware) -> float:
+    """Seconds one ODC rank takes for micro-batches of these costs (seconds, already scaled) run back to
+    back: its own pulls, compute and pushes, no step sync (the timeline of :func:`simulate_step`'s ODC ranks)."""
+    return _run_group([list(micro_batch_costs)], hardware, hardware.pull_seconds, hardware.push_seconds,
+                      hardware.odc_micro_batch_seconds)[0]
 
 
 def _layer_operations(micro_batch_costs: Sequence[float], hardware: Hardware):

@@ -90,15 +90,24 @@ def _flatten(tree) -> list[int]:
 
 
 def refine(costs: Sequence[float], partition: list[list[int]], equal_size: bool = False,
-           max_rounds: int | None = None) -> list[list[int]]:
+           max_rounds: int | None = None, base: Sequence[float] | None = None) -> list[list[int]]:
     """Lower the largest part by moving or swapping items out of it, while it helps.
 
     Each round takes the heaviest part and, against every other part, looks for the single move
     (unless ``equal_size``) or swap that brings the pair closest to even without making the other
     part the new maximum; the best such change over all parts is applied. Stops when no change
-    lowers the heaviest part, or after ``max_rounds`` (default: number of items)."""
+    lowers the heaviest part, or after ``max_rounds`` (default: number of items).
+
+    ``base`` (one number per part, default zeros) is load a part carries that no move can take away,
+    e.g. a rank's share of the samples split over a group (:mod:`ds_odc.balance.split`):
+
+    >>> refine([4, 3, 2], [[0, 1, 2], []], base=[0, 5])  # part 1 starts at 5: it takes only the 2
+    [[0, 1], [2]]
+    """
     parts = [list(p) for p in partition]
-    sums = [sum(costs[i] for i in p) for p in parts]
+    if base is not None and len(base) != len(parts):
+        raise ODCError(f"refine: base has {len(base)} entries for {len(parts)} parts")
+    sums = [(base[k] if base is not None else 0.0) + sum(costs[i] for i in p) for k, p in enumerate(parts)]
     rounds = len(costs) if max_rounds is None else max_rounds
     for _ in range(rounds):
         heavy = max(range(len(parts)), key=lambda p: (sums[p], -p))

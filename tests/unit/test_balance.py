@@ -333,3 +333,25 @@ def test_planner_docstring_examples():
 def test_fewer_samples_than_ranks_leaves_ranks_idle_and_terminates(policy, padding):
     plan = plan_minibatch([10, 7], 4, 100, policy, padding=padding)  # used to loop forever under lb-micro
     assert sorted(plan.micro_batch_counts()) == [0, 0, 1, 1] and sorted(plan.rank_costs()) == [0, 0, 7, 10]
+
+
+def _loads(costs, base, partition):
+    return [b + sum(costs[i] for i in part) for b, part in zip(base, partition)]
+
+
+def test_refine_keeps_a_fixed_base_per_part():
+    """``base``: load a part carries that no move takes away (the split planner's share of split samples)."""
+    rng = random.Random(11)
+    for _ in range(50):
+        parts = rng.randint(2, 5)
+        costs = [rng.randint(1, 50) for _ in range(rng.randint(1, 12))]
+        base = [float(rng.randint(0, 80)) for _ in range(parts)]
+        start = [[] for _ in range(parts)]
+        for i in range(len(costs)):
+            start[rng.randrange(parts)].append(i)
+        refined = refine(costs, start, base=base)
+        assert sorted(i for part in refined for i in part) == list(range(len(costs)))
+        assert max(_loads(costs, base, refined)) <= max(_loads(costs, base, start))
+    assert refine([5, 5], [[0, 1], []], base=[0.0, 100.0]) == [[0, 1], []]  # the loaded part takes nothing
+    with pytest.raises(ODCError, match="base"):
+        refine([1], [[0], []], base=[0.0])

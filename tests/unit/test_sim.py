@@ -13,6 +13,7 @@ import pytest
 import benchmarks.sim
 import benchmarks.sim.hardware
 import benchmarks.sim.presets
+import benchmarks.sim.split
 import benchmarks.sim.timeline
 from benchmarks.sim import (
     Hardware,
@@ -50,7 +51,8 @@ def plan_of(micro_batch_lengths):
 
 
 def test_docstring_examples():
-    for module in (benchmarks.sim, benchmarks.sim.hardware, benchmarks.sim.timeline, benchmarks.sim.presets):
+    for module in (benchmarks.sim, benchmarks.sim.hardware, benchmarks.sim.timeline, benchmarks.sim.presets,
+                   benchmarks.sim.split):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 
@@ -304,3 +306,45 @@ def test_sequence_parallel_projection_divides_compute_adds_all_to_alls_and_one_g
     assert all(abs(one_group.speedup("odc", policy)) < 0.02 for policy in ("lb-micro", "lb-mini"))
     four_groups = project_sp(8, 2, steps=2)
     assert four_groups.speedup("odc", "lb-mini") > 0
+
+
+# -- splitting long samples (benchmarks/sim/split.py) ----------------------------------------------------------
+def _split_plan(world, per_rank, seed, **kwargs):
+    from ds_odc.balance.split import plan_split
+
+    lengths = longalign_like_lengths(world * per_rank, seed=seed, minimum=512)
+    return plan_split(lengths, world, benchmarks.sim.GOLDEN_TOKEN_CAP, benchmarks.sim.GOLDEN_COST_MODEL, **kwargs)
+
+
+@pytest.mark.parametrize("world,per_rank,seed", [(8, 1, 0), (16, 2, 1), (32, 1, 2)])
+def test_split_replay_with_free_communication_is_the_plans_own_step(world, per_rank, seed):
+    plan = _split_plan(world, per_rank, seed)
+    assert plan.splits
+    hardware = Hardware(layers=4, prefetch_depth=0, optimizer_seconds=0.25, fence_seconds=0.125)
+    result = benchmarks.sim.split.simulate_split_step(plan, hardware)
+    assert result.step_seconds == pytest.approx(plan.step_cost() + 0.375, rel=1e-12)
+    assert list(result.rank_busy_seconds) == pytest.approx(plan.rank_costs(), rel=1e-12)
+    real = benchmarks.sim.split.simulate_split_step(plan, benchmarks.sim.presets.hierarchical_preset(world))
+    assert real.step_seconds > plan.step_cost()  # pulls, pushes and the step's fixed costs only add
+
+
+def test_split_replay_of_a_plan_without_splits_is_the_odc_replay():
+    plan = _split_plan(8, 8, 0)  # eight samples per rank: LB-Mini is at its bound, nothing is split
+    assert not plan.splits
+    hardware = golden_preset(8)
+    whole = Plan("lb-mini", plan.lengths, plan.token_cap, plan.cost.compute, plan.whole)
+    assert benchmarks.sim.split.simulate_split_step(plan, hardware).step_seconds == pytest.approx(
+        simulate_step(whole, hardware, "odc").step_seconds, rel=1e-12)
+
+
+def test_split_projection_compares_every_method_on_the_same_minibatches():
+    p = benchmarks.sim.split.project_split(8, 1, steps=2)
+    assert set(p.step_seconds) == set(benchmarks.sim.split.METHODS)
+    assert p.idle["odc split"] < p.idle["odc lb-mini"]
+    assert p.step_seconds["odc split"] <= p.step_seconds["odc lb-mini"]
+    assert 0 <= p.plan_idle <= p.idle["odc split"] + 1e-9  # the replay only adds communication and fixed costs
+    small = benchmarks.sim.split.project_split(8, 1, steps=1, max_group=4, methods=("sp 4", "sp 8", "odc split"))
+    assert "sp 8" not in small.step_seconds  # a model whose heads allow 4 cannot run fixed SP 8
+    assert small.group_sizes[8] == 0
+    with pytest.raises(ODCError, match="unknown method"):
+        benchmarks.sim.split.project_split(8, 1, steps=1, methods=("sp 3x",))
