@@ -94,8 +94,11 @@ def rollout_round_trip(offload: bool, counts=(1, 3), steps=4, offload_at=2):
     from tests.distributed.frozen_workloads import RELEASED, frozen_config
 
     rank = tdist.get_rank()
-    reference, *_ = deepspeed.initialize(model=make_model(seed=7), config=frozen_config("odc"))
-    policy_config = _config("odc", managed=False, **RELEASED)
+    reference_config = frozen_config("odc")
+    reference_config["bf16"] = {"enabled": True}
+    reference, *_ = deepspeed.initialize(model=make_model(seed=7), config=reference_config)
+    # bf16 gradients summed in the fp64 accumulator: exact whatever order the ranks' pushes arrive in
+    policy_config = _config("odc", bf16=True, managed=False, odc={"accumulator_dtype": "fp64"}, **RELEASED)
     policy, *_ = deepspeed.initialize(model=make_model(), config=policy_config)
     record = {"losses": [], "params": [], "away_while_offloaded": None}
     for step in range(steps):
@@ -109,8 +112,8 @@ def rollout_round_trip(offload: bool, counts=(1, 3), steps=4, offload_at=2):
         for index in range(counts[rank]):
             x, y, _ = micro_batch(step, rank, index)
             with torch.no_grad():
-                anchor = reference(x)
-            loss = mse_mean(policy(x), anchor + y)
+                anchor = reference(x.bfloat16()).float()
+            loss = mse_mean(policy(x.bfloat16()), anchor + y)
             policy.backward(loss)
             record["losses"].append(loss.item())
         policy.step()
