@@ -94,7 +94,7 @@ def _trl(name):
 
 AXOLOTL = {"ACCELERATE_USE_DEEPSPEED": "true"}  # what axolotl exports; ZERO3_INIT only when the stage is exactly 3
 SCENARIOS = [
-    _trl("sft"), _trl("dpo"), _trl("grpo"), _trl("dpo_balance"),
+    _trl("sft"), _trl("dpo"), _trl("grpo"), _trl("dpo_balance"), _trl("grpo_long"), _trl("grpo_long_nogather"),
     Scenario("LLaMA-Factory", "llamafactory", "sft", ["llamafactory_driver.py", "sft"], "marker", torchrun=False),
     Scenario("LLaMA-Factory", "llamafactory", "dpo", ["llamafactory_driver.py", "dpo"], "marker", torchrun=False),
     Scenario("OpenRLHF-shaped loop", "trl", "dynamic batches", ["openrlhf_loop.py"], "env",

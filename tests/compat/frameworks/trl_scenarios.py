@@ -1,9 +1,13 @@
 """TRL's trainers as a user runs them, on 2 CPU ranks: SFT, DPO (reference model through TRL's
 ``prepare_deepspeed``), GRPO (generation through TRL's own ``unwrap_model_for_generation``, a KL term so a
-frozen reference engine exists too) and DPO with ds_odc's balance block and parameters released after use
-(ranks call the frozen reference model different numbers of times: the case that used to hang).
+frozen reference engine exists too), DPO with ds_odc's balance block and parameters released after use
+(ranks call the frozen reference model different numbers of times: the case that used to hang), and GRPO
+with long-tailed completion lengths and parameters released after use (``grpo_long``: TRL's default
+``ds3_gather_for_generation=True``; ``grpo_long_nogather``: ``False``, per-layer gathers or pulls at every
+decoding step), where ranks end their rollouts at different tokens (``long_tail.py``).
 
-    torchrun --nproc_per_node 2 trl_scenarios.py {sft,dpo,grpo,dpo_balance} MODEL_DIR OUTPUT_DIR
+    torchrun --nproc_per_node 2 trl_scenarios.py {sft,dpo,grpo,dpo_balance,grpo_long,grpo_long_nogather} \
+        MODEL_DIR OUTPUT_DIR
 
 The route comes from ``DS_ODC_COMPAT_ROUTE`` ("odc" or "3"); nothing else differs between the two runs.
 Rank 0 writes the logged loss and gradient norm of every step (``logging_steps=1``).
@@ -12,6 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import long_tail  # noqa: E402
 
 import common  # noqa: E402
 
@@ -78,14 +84,44 @@ def grpo(model_dir, output_dir, config):
                        train_dataset=Dataset.from_dict({"prompt": common.prompts()}))
 
 
-SCENARIOS = {"sft": sft, "dpo": dpo, "grpo": grpo, "dpo_balance": dpo_balance}
+def grpo_long(model_dir, output_dir, config, gather=True):
+    """GRPO whose completions end at long-tailed lengths (4 to 64 tokens, ``long_tail.py``), timed and counted
+    per rank. ``gather``: TRL's ``ds3_gather_for_generation``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_letters(completions, **_):
+        return [float(text.count("a")) / (1 + len(text)) for text in completions]
+
+    args = GRPOConfig(**shared_args(output_dir, config), num_generations=2, max_completion_length=long_tail.LONGEST,
+                      beta=0.04, temperature=1.0, ds3_gather_for_generation=gather)
+    start_deepspeed_comm()
+    tokenizer = common.build_tokenizer()
+    tokenizer.padding_side = "left"
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_letters, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": common.prompts()}))
+    rollouts = long_tail.Rollouts()
+    rollouts.instrument(trainer.model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    trainer._generate = rollouts.timed(trainer._generate)
+    trainer.add_callback(rollouts.callback())
+    trainer.odc_compat_rollouts = rollouts
+    return trainer
+
+
+def grpo_long_nogather(model_dir, output_dir, config):
+    return grpo_long(model_dir, output_dir, config, gather=False)
+
+
+SCENARIOS = {"sft": sft, "dpo": dpo, "grpo": grpo, "dpo_balance": dpo_balance, "grpo_long": grpo_long,
+             "grpo_long_nogather": grpo_long_nogather}
 
 
 def config_for(scenario: str) -> dict:
     base = common.HF_BASE
     options = None
-    if scenario == "dpo_balance":
+    if scenario in ("dpo_balance", "grpo_long", "grpo_long_nogather"):
         base = {**base, "zero_optimization": {**base["zero_optimization"], **common.RELEASED}}
+    if scenario == "dpo_balance":
         # no two pairs fit under the cap (see dpo_balance); the length is taken from the tokenised prompt
         cap = max(len(row["prompt"].encode()) for row in common.preference_rows())  # bytes = tokens
         # an attention-like cost (length squared): with these prompts (no length twice another) a cost in
@@ -103,8 +139,20 @@ def main():
     trainer = SCENARIOS[scenario](model_dir, output_dir, config_for(scenario))
     trainer.train()
     history = trainer.state.log_history
+    extra, problems = {}, []
+    rollouts = getattr(trainer, "odc_compat_rollouts", None)
+    if rollouts is not None:  # the long-tailed GRPO scenarios: per-rank rollouts, held to the forwards expected
+        ranks = long_tail.gather(rollouts)
+        extra["rollouts"] = ranks
+        problems = long_tail.check_forwards(ranks, synced=common.route() == "3")
+        for rank, steps in enumerate(ranks):
+            if common.rank() == 0:
+                print(f"rank {rank} longest completion per step {[s['longest'] for s in steps]}, forwards inside "
+                      f"generate {[s['forwards'] for s in steps]}", flush=True)
     common.write_result(common.trainer_losses(history), grad_norms=common.trainer_losses(history, "grad_norm"),
-                        micro_batches=common.trainer_losses(history, "odc_micro_batches"))
+                        micro_batches=common.trainer_losses(history, "odc_micro_batches"), **extra)
+    if rollouts is not None and problems:
+        raise SystemExit("; ".join(problems))
 
 
 if __name__ == "__main__":
