@@ -1,4 +1,7 @@
-"""A clean interpreter exit on gloo: no ``terminate called without an active exception``.
+"""How a rank leaves: a clean interpreter exit, its peers told when it tears its group down, and nothing
+left in ``/dev/shm`` by DeepSpeed's CPU comm layer. Three concerns of one moment, each in its section below.
+
+**A clean interpreter exit on gloo**: no ``terminate called without an active exception``.
 
 The abort (SIGABRT at exit, ZeRO-3 and ODC alike, with or without ``destroy_process_group()``):
 
@@ -38,6 +41,11 @@ import os
 import platform
 import sys
 import time
+
+import torch.distributed as tdist
+
+from ds_odc.integration.patching import PatchSet, delegating
+from ds_odc.runtime import crash
 
 OFF_SWITCH = "DS_ODC_CLEAN_EXIT"
 WORKER_NAME = "pt_gloo_runloop"  # c10d::ProcessGroupGloo::runLoop names its threads so
@@ -140,4 +148,63 @@ def _at_exit() -> None:
     try:
         wait_for_idle_gloo_workers(WAIT_ON_ERROR_S if exiting_on_error else WAIT_S)
     except Exception:  # noqa: BLE001 - an exit hook must never turn a clean exit into a failure
+        pass
+
+
+# -- peers told when this rank tears its process group down -----------------------------------------------
+# A rank that tears its process group down with an ODC engine still open has left training.
+#
+# Its peers may be waiting for it at a round (the step fence, a barrier): one-sided ODC does not use the
+# process group between steps, so nothing else would tell them before their no-progress bound
+# (``odc.timeout_s``, by default the process group's timeout). While ODC engines are alive,
+# ``torch.distributed.destroy_process_group`` of the default group (or of every group) first marks each
+# live engine as closed, saying why, then runs torch's: every peer still waiting for this rank raises within
+# milliseconds, naming it (:func:`ds_odc.runtime.crash.left`); a peer this rank already met (the last round
+# of a job that ends without ``engine.destroy()``) is unaffected. Torn down in a ``finally`` while an exception
+# is on its way out (``try: train() finally: destroy_process_group()``), the group fails with that exception
+# instead, so peers see the error itself, as for an uncaught one. An engine destroyed first is not alive any
+# more, so the usual order, ``engine.destroy()`` then ``destroy_process_group()``, reports nothing.
+#
+# The replacement is installed when the first ODC engine is built and delegates to torch's function for
+# everything (a job without an ODC engine, or a subgroup); it is looked up at call time by
+# ``deepspeed.comm`` and by scripts that call ``torch.distributed.destroy_process_group(...)`` (a name a
+# script imported before ds_odc was keeps torch's function: the peers then learn of it at their bound).
+_TEARDOWN = PatchSet("process-group teardown")
+
+
+def install_teardown_notice() -> None:
+    """Idempotent; the replacement stays for the life of the process (a pass-through without ODC engines)."""
+    _TEARDOWN.replace(tdist, "destroy_process_group", lambda original: delegating(_destroy_process_group, original))
+
+
+def _destroy_process_group(original, group=None, *args, **kwargs):
+    if group is None or group is tdist.GroupMember.WORLD:
+        # inside a ``finally`` of a failing run the exception is still in flight: report it, not just "left"
+        crash.left("destroy_process_group() with its ODC engine still open", sys.exc_info()[1])
+    return original(group, *args, **kwargs)
+
+
+# -- DeepSpeed's CPU shared-memory all-reduce buffers ---------------------------------------------------------
+# DeepSpeed's CPU shared-memory all-reduce buffers, unlinked once every rank has mapped them.
+#
+# When launched by the ``deepspeed`` launcher on CPU (``LOCAL_SIZE`` set), DeepSpeed's comm layer
+# creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (69 MB each)
+# and never removes them (``ops/csrc/cpu/comm/shm.cpp``, DeepSpeed 0.19.8). Every rank maps every
+# peer's buffer inside ``init_distributed``, so once an ODC engine has passed its start-up barriers
+# each rank can unlink its own file: the mappings stay valid, and no exit path leaves the file behind.
+SHM_DIR = "/dev/shm"
+
+
+def allreduce_buffer_path(rank: int) -> str:
+    addr = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    return os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
+
+
+def release_allreduce_buffer(rank: int) -> None:
+    """Unlink this rank's buffer if DeepSpeed created one. Call only after a barrier that follows
+    ``init_distributed`` on every rank."""
+    try:
+        os.unlink(allreduce_buffer_path(rank))
+    except FileNotFoundError:
         pass

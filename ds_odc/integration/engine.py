@@ -41,12 +41,12 @@ from deepspeed.utils import logger
 
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError, ODCStateError
-from ds_odc.integration import checkpoints, group_teardown, hf_generation, sequence_parallel, zero3_frozen
+from ds_odc.integration import checkpoints, clean_exit, hf_generation, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
-from ds_odc.runtime import LossNormalization, MicroBatchLedger, ODCRuntime, Phase, StepTotals
+from ds_odc.runtime import LossNormalization, ODCRuntime, Phase, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
 
 
@@ -67,7 +67,6 @@ class _EngineState:
     """Everything the ODC engine keeps besides DeepSpeed's own state (one attribute, ``_odc``)."""
 
     options: ODCConfig
-    ledger: MicroBatchLedger
     pending_tokens: Optional[int] = None  # set_loss_tokens() before the next backward
     in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
     frozen: Optional[zero3_frozen.FrozenSession] = None  # an engine without an optimizer: its pulls
@@ -294,14 +293,14 @@ class ODCEngine(DeepSpeedEngine):
 
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):
-        self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)), MicroBatchLedger())
+        self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)))
         if self._odc.options.activation_offload is not None:
             self._odc.activations = EngineOffload(self._odc.options.activation_offload, self.module, self.device)
         if env_switch() is not None:
             logger.info(f"ds_odc: {ENV_SWITCH}=odc runs this stage-3 engine on the odc stage, with options "
                         f"{self._config._param_dict.get(MARKER_KEY)}")
-        group_teardown.install()  # a rank that tears its process group down with this engine open: peers learn at once
-        factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options, odc_ledger=self._odc.ledger)
+        clean_exit.install_teardown_notice()  # tearing the group down with this engine open: peers learn at once
+        factory = functools.partial(ODCStage3Optimizer, odc_options=self._odc.options)
         with swapped(ds_stage3, "DeepSpeedZeroOptimizer_Stage3", factory):
             built = super()._configure_zero_optimizer(optimizer)
         timeout_s = resolve_timeout_s(self._odc.options.timeout_s)

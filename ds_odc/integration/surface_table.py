@@ -62,7 +62,7 @@ _OPT, _PARAMS = "ds_odc/integration/zero3_optimizer.py", "ds_odc/integration/zer
 _WINDOWS, _CKPT = "ds_odc/integration/zero3_windows.py", "ds_odc/integration/checkpoints.py"
 _FROZEN, _ACTIVATIONS = "ds_odc/integration/zero3_frozen.py", "ds_odc/integration/activation_offload.py"
 _INIT, _METRICS = "ds_odc/integration/initialize.py", "ds_odc/integration/metrics_hooks.py"
-_TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/deepspeed_shm.py"
+_TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/clean_exit.py"
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
 _BALANCE, _LOADER, _COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
                             "ds_odc/integration/hf_cost.py")
@@ -284,9 +284,9 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("torch._C._distributed_c10d", "Backend.Options", "_timeout", Kind.CLASS_ATTRIBUTE, _TIMEOUTS,
                 "the bound for a silent peer; DeepSpeed's default without it"),
     PrivateName("deepspeed.launcher.runner", None, "EXPORT_ENVS", Kind.MODULE_ATTRIBUTE,
-                "ds_odc/integration/launcher.py", "the prefixes the launcher exports to other nodes; DS_ODC_ added"),
+                "ds_odc/integration/__init__.py", "the prefixes the launcher exports to other nodes; DS_ODC_ added"),
     PrivateName("deepspeed.launcher.runner", None, "EXPORT_ENVS", Kind.CALL_TIME_LOOKUP,
-                "ds_odc/integration/launcher.py", "read when the launcher starts the nodes", found_in="main"),
+                "ds_odc/integration/__init__.py", "read when the launcher starts the nodes", found_in="main"),
     # -- accelerate (optional) ---------------------------------------------------------------------------
     PrivateName("accelerate.utils.dataclasses", "DeepSpeedPlugin", "ACCELERATE_DEEPSPEED_ZERO_STAGE", Kind.FILE_NAME,
                 "ds_odc_import_hooks.py",
@@ -390,7 +390,7 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("torch.distributed.destroy_process_group replaced", "from the first ODC engine's build to the end of "
                 "the process (a pass-through while no ODC engine is alive)", "a rank that tears its process group "
                 "down with an ODC engine open has left training: its peers, waiting at a round, learn of it at once "
-                "instead of at their no-progress bound", "ds_odc/integration/group_teardown.py"),
+                "instead of at their no-progress bound", "ds_odc/integration/clean_exit.py"),
     ProcessWide("an ODC engine's model: its generate bound on the instance (synced_gpus False unless the caller "
                 "says)", "from the engine's build to its destroy()", "transformers syncs every model's generation "
                 "while a ZeRO-3 config is active; an ODC model's forwards are one-sided, so only that instance "
@@ -425,7 +425,7 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
                 "ds_odc_autoload.py, and when ds_odc registers)"),
     ProcessWide("deepspeed.launcher.runner.EXPORT_ENVS gains DS_ODC_", "the launcher process",
                 "the environment switch must reach the ranks of every node the launcher starts",
-                "ds_odc/integration/launcher.py"),
+                "ds_odc/integration/__init__.py"),
     ProcessWide("the sequence-parallel lockstep of the newest training ODC engine under an SP mpu",
                 "from that engine's build to its destroy()", "ALST replaces the attention function process-wide, so "
                 "a frozen model's forward (a DPO reference) meets the SP peers in all-to-alls too: it takes the same "

@@ -36,10 +36,10 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import zero3_windows as windows
-from ds_odc.integration.deepspeed_shm import release_allreduce_buffer
+from ds_odc.integration.clean_exit import release_allreduce_buffer
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
-from ds_odc.runtime import GlobalNorms, MicroBatchLedger, ODCRuntime, Phase, StepTotals, StepUpdate, open_session
+from ds_odc.runtime import GlobalNorms, ODCRuntime, Phase, StepTotals, StepUpdate, open_session
 
 #: ZeRO-3's offloadable states that are ODC windows, and which window each is.
 WINDOW_STATES = {OffloadStateTypeEnum.lp_params: "params", OffloadStateTypeEnum.lp_grads: "grads"}
@@ -78,8 +78,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     """See the module docstring. ``odc`` is the :class:`~ds_odc.runtime.ODCRuntime` (its transport,
     layout and protocol); ``odc_step`` the :class:`StepContext` of the engine step in progress."""
 
-    def __init__(self, *args, odc_options: ODCConfig, odc_ledger: MicroBatchLedger, **kwargs):
-        self._odc_options, self._odc_ledger = odc_options, odc_ledger
+    def __init__(self, *args, odc_options: ODCConfig, **kwargs):
+        self._odc_options = odc_options  # the micro-batch ledger is the session's (SessionPlan.ledger)
         self._odc_runtime: ODCRuntime | None = None  # opened by _create_fp16_partitions_with_defragmentation
         self.odc_step: StepContext | None = None
         self.odc_gradients_seen = 0  # gradients handed to ZeRO-3's bucketing, see ODCEngine.backward

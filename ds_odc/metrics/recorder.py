@@ -32,8 +32,6 @@ from typing import Callable, List, Optional
 from ds_odc.metrics.step_report import StepReport
 
 COMM_KINDS = ("gather", "reduce", "step_wait")
-#: Kinds of :meth:`StepRecorder.device_span`: work on a side stream, drawn but not charged to the step.
-DEVICE_KINDS = ("pull", "push")
 
 #: clock shared by every process on a host (CLOCK_MONOTONIC on Linux), so rank timelines align
 clock: Callable[[], float] = time.perf_counter
@@ -137,7 +135,7 @@ class StepRecorder:
     @contextlib.contextmanager
     def device_span(self, kind: str, stream=None):
         """Record the work queued in the block on ``stream`` (default: the current one) as ``kind``
-        (``DEVICE_KINDS``): drawn in the timeline and measured against compute
+        ("pull" or "push"): drawn in the timeline and measured against compute
         (:mod:`ds_odc.metrics.overlap`), never charged to the step's parts. Nesting is allowed."""
         if not self.enabled:
             yield
