@@ -118,11 +118,15 @@ class Transport(abc.ABC):
         naming the owner. Transports whose pushes hold nothing (atomic adds) keep this default."""
         return contextlib.nullcontext()
 
+    #: Whether peers find windows made again by a name that must go once every rank mapped them (shm's files):
+    #: the reload then takes a second round before :meth:`windows_mapped`.
+    peers_map_by_name: bool = False
+
     # -- windows away and back (engine.offload_states / reload_states) -----------------------------------
     # The runtime's rounds order these calls on every rank of the node (see ds_odc.runtime.residency):
     #   away:  [round: nobody reads or adds any more]  drop_peer_windows  [round]  drop_own_windows
     #   back:  recreate_own_windows  [round: every new window exists and holds its content]  map_peer_windows
-    #          [round: every rank mapped them]  windows_mapped
+    #          [round, where peers_map_by_name: every rank mapped them]  windows_mapped
     # ``kinds`` names windows: "params" (the parameter window) and/or "grads" (the accumulator). A transport
     # that cannot move its windows keeps these defaults, and the engine refuses offload_states by name.
     def drop_peer_windows(self, kinds: Collection[str]) -> None:

@@ -10,12 +10,12 @@ node in rounds, which :class:`~ds_odc.runtime.step.StepProtocol` runs (``offload
            copy this rank's own windows into host memory; drop the mappings of peers' windows
            round: nobody maps a window that is about to be freed
            drop this rank's own windows
-    back   round: every rank brings back the same windows
-           make new windows and copy the host copies in (a failure is carried into the next round)
-           round: every new window exists and holds its content; or every rank raises, naming the
-                  rank that could not allocate, and the windows stay away (call reload_states again)
+    back   make new windows and copy the host copies in (a failure is carried into the round)
+           round: every rank brings back the same windows, and each new window exists and holds its
+                  content; or every rank raises, naming the rank that could not allocate, and the
+                  windows stay away (call reload_states again)
            map the peers' new windows
-           round: every rank mapped them; the transport drops what let peers find them
+           (shm only) round: every rank mapped them; their files go
 
 While a window is away, this rank's views of its own shards and gradients are views of the host copy
 (:meth:`WindowStash.window`; the adapter points ZeRO-3's buffers there, as ZeRO-3's own offload does),

@@ -61,7 +61,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -276,43 +276,52 @@ class StepProtocol:
         self._open()
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
-        kinds, refused = self.stash.away, None
+        kinds, refused, made = self.stash.away, None, None
         with self.failing_group(what):
-            self._agree(RoundKind.WINDOWS_BACK, ("had away",), [kinds], what)
-            if kinds:
-                made = None
+            if kinds:  # made and filled before the one round, so that peers may map them right after it
                 try:
                     self.transport.recreate_own_windows(kinds)
                     self.stash.put_back(kinds, non_blocking)
-                except Exception as err:  # noqa: BLE001 - every rank learns of it in the next round
+                except Exception as err:  # noqa: BLE001 - every rank learns of it in the round
                     made = err
-                rows = self.link.job_rows(self.round(RoundKind.WINDOWS_BACK, torch.tensor([float(made is not None)]),
-                                                     what))
-                failed = [r for r in range(rows.shape[0]) if rows[r][0] != 0]  # job ranks
-                if failed:
-                    self.transport.drop_own_windows(kinds)
-                    refused = made or ODCStateError(
-                        f"rank(s) {failed} could not allocate their {describe(kinds)} again ({what}): every rank keeps "
-                        "them in host memory; free the memory they need (each failing rank's error says how much and "
-                        "where) and call engine.reload_states() again on every rank")
-                else:
-                    self.transport.map_peer_windows(kinds)
-                    self.round(RoundKind.WINDOWS_BACK, _EMPTY, what)  # every rank mapped every new window
-                    self.transport.windows_mapped(kinds)
-                    self.stash.release(kinds)
+            rows = self._agree(RoundKind.WINDOWS_BACK, ("had away",), [kinds], what,
+                               extra=[float(made is not None)], on_disagreement=lambda: self._discard_new(kinds))
+            failed = [r for r in range(rows.shape[0]) if rows[r][1] != 0]  # job ranks
+            if failed:
+                self._discard_new(kinds)
+                refused = made or ODCStateError(
+                    f"rank(s) {failed} could not allocate their {describe(kinds)} again ({what}): every rank keeps "
+                    "them in host memory; free the memory they need (each failing rank's error says how much and "
+                    "where) and call engine.reload_states() again on every rank")
+            elif kinds:
+                self.transport.map_peer_windows(kinds)
+                if self.transport.peers_map_by_name:  # their names go only once every rank mapped them
+                    self.round(RoundKind.WINDOWS_BACK, _EMPTY, what)
+                self.transport.windows_mapped(kinds)
+                self.stash.release(kinds)
         self._note(previous, force=True)
         if refused is not None:
             raise refused
         return kinds
 
-    def _agree(self, kind: RoundKind, columns: tuple, values: list, what: str) -> None:
-        """A round whose values every rank of the job must give alike (masks of window kinds)."""
-        rows = self.link.job_rows(self.round(kind, torch.tensor([mask(v) for v in values], dtype=torch.float64),
-                                             what))
-        differing = disagreement(rows, columns)
+    def _discard_new(self, kinds: frozenset) -> None:
+        """A reload that did not happen: this rank's new windows (if it made them) go, the host copies stay."""
+        if kinds:
+            self.transport.drop_own_windows(kinds)
+
+    def _agree(self, kind: RoundKind, columns: tuple, values: list, what: str, extra: Sequence[float] = (),
+               on_disagreement: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """A round whose values (masks of window kinds) every rank of the job must give alike, carrying
+        ``extra`` values besides (not compared); returns the job's rows."""
+        payload = torch.tensor([mask(v) for v in values] + list(extra), dtype=torch.float64)
+        rows = self.link.job_rows(self.round(kind, payload, what))
+        differing = disagreement(rows[:, :len(values)], columns)
         if differing is not None:
+            if on_disagreement is not None:
+                on_disagreement()
             raise ODCStateError(f"{what} was called differently on the ranks ({differing}): call it on every rank "
                                 "with the same arguments")
+        return rows
 
     def _require(self, kinds: set, what: str) -> None:
         """Refuse (failing the group: the ranks have diverged) what needs a window that is away."""
