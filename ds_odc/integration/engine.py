@@ -35,6 +35,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (imports the stage-3 class itself)
 import deepspeed.runtime.zero.stage3 as ds_stage3
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -47,7 +48,7 @@ from ds_odc.integration import checkpoints, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.surface import has
-from ds_odc.integration.surface_table import MANAGED_ACCUMULATION, SUPEROFFLOAD
+from ds_odc.integration.surface_table import MANAGED_ACCUMULATION
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
 from ds_odc.runtime import MicroBatchLedger, Normalisation, ODCRuntime, Phase, StepTotals
@@ -78,9 +79,6 @@ class _EngineState:
     lockstep: Optional[SequenceParallelLockstep] = None  # Ulysses SP: the ranks of a group run the same forwards
     activations: Optional[EngineOffload] = None  # odc.activation_offload: the forward's saved-tensor hooks
 
-
-if has(SUPEROFFLOAD):  # SuperOffload binds ZeRO-3's optimizer class when imported: before any swap of it
-    import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
 
 class ODCEngine(DeepSpeedEngine):
     """See the module docstring. Build it with ``deepspeed.initialize``, not directly."""

@@ -31,7 +31,8 @@ What each check proves, by :class:`Kind` (nothing is called, no instance is buil
 
 Per release: an entry with ``since=`` / ``before=`` a :class:`Change` holds only on the DeepSpeed releases from /
 before that change's release, and is checked only there, so each supported release is held to its own form
-(``releases`` says which). :func:`has` tells adapter code which side of a change the installed DeepSpeed is on.
+(``releases`` says which); likewise for transformers within its tested range. :func:`has` tells adapter code which
+side of a change the installed release is on.
 
 A function's source is cut from its file by the line numbers of its code object (``linecache``);
 ``inspect.getsource`` tokenises each block and costs ~35 ms for these functions. A text match can be
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import linecache
@@ -65,28 +67,29 @@ __all__ = ["SURFACE", "PROCESS_WIDE", "Change", "Kind", "PrivateName", "check_su
 
 
 # -- which release ----------------------------------------------------------------------------------------
-def _deepspeed_release():
-    import deepspeed
+def installed_version(package: str) -> str:
+    """DeepSpeed's ``__version__`` (imported by ``import ds_odc`` anyway); the metadata's for the others (no
+    import: transformers takes seconds)."""
+    if package == "deepspeed":
+        import deepspeed
 
-    from ds_odc.integration.versions import release
+        return deepspeed.__version__
+    return importlib.metadata.version(package)
 
-    return release(deepspeed.__version__)
 
-
-def has(change: Change, deepspeed_version: str | None = None) -> bool:
-    """Whether the installed DeepSpeed (or ``deepspeed_version``) has the newer form of ``change``."""
+def has(change: Change, version: str | None = None) -> bool:
+    """Whether the installed ``change.package`` (or ``version`` of it) has the newer form of ``change``."""
     from packaging.version import Version
 
     from ds_odc.integration.versions import release
 
-    found = _deepspeed_release() if deepspeed_version is None else release(deepspeed_version)
-    return found >= Version(change.release)
+    return release(installed_version(change.package) if version is None else version) >= Version(change.release)
 
 
-def applies(entry: PrivateName, deepspeed_version: str | None = None) -> bool:
-    """Whether ``entry`` holds on the installed DeepSpeed (or ``deepspeed_version``)."""
-    return (entry.since is None or has(entry.since, deepspeed_version)) and \
-        (entry.before is None or not has(entry.before, deepspeed_version))
+def applies(entry: PrivateName, version: str | None = None) -> bool:
+    """Whether ``entry`` holds on the installed release (or ``version``) of its change's package."""
+    return (entry.since is None or has(entry.since, version)) and \
+        (entry.before is None or not has(entry.before, version))
 
 
 # -- checking -----------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def format_missing(missing: list[PrivateName]) -> str:
     from ds_odc.integration.versions import supported_deepspeed
 
     def held_on(entry: PrivateName) -> str:
-        return f", as deepspeed{entry.releases} has it" if entry.releases else ""
+        return f", as {entry.releases} has it" if entry.releases else ""
 
     lines = [f"ds_odc {__import__('ds_odc').__version__} supports deepspeed{supported_deepspeed()} (found "
              f"deepspeed {deepspeed.__version__}, torch {torch.__version__}), and {len(missing)} private name(s) "

@@ -23,7 +23,8 @@ class Kind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    """A difference between two supported DeepSpeed releases. ``release`` is the first with the newer form.
+    """A difference between two supported releases of ``package`` (DeepSpeed, or transformers / accelerate within
+    their tested ranges). ``release`` is the first with the newer form.
 
     Entries of :data:`SURFACE` say which form they belong to (``since=`` the change, or ``before=`` it), so the
     import-time check holds each release to its own form. Adapter code that must act differently asks
@@ -33,11 +34,10 @@ class Change:
     release: str
     newer: str  # what the releases from ``release`` on have
     older: str  # what the earlier releases have, and what ds_odc does there
+    package: str = "deepspeed"
 
 
 #: The differences within the supported range (:data:`ds_odc.integration.versions.DEEPSPEED_RANGE`), oldest first.
-SUPEROFFLOAD = Change("SUPEROFFLOAD", "0.18.1", "deepspeed.runtime.superoffload.superoffload_stage3, a subclass of "
-                      "ZeRO-3's optimizer bound at its import", "no SuperOffload: nothing to import before the swap")
 TORCH_STYLE_BACKWARD = Change("TORCH_STYLE_BACKWARD", "0.18.3", "loss.backward() on an engine (DeepSpeedEngine."
                               "_backward_post_hook, _backward_prologue_per_tensor, _running_engine_backward)",
                               "engine.backward() only: ODCEngine's overrides of those hooks are never called")
@@ -58,8 +58,14 @@ MANAGED_ACCUMULATION = Change("MANAGED_ACCUMULATION", "0.19.4", "\"managed_gradi
                               "DeepSpeed has it")
 NORM_DTYPE = Change("NORM_DTYPE", "0.19.6", "deepspeed.runtime.zero.utils.get_norm_dtype(), the dtype ZeRO-3 sums "
                     "squared gradient norms in", "ZeRO-3 sums them in float64 (.double()): so does ODC")
-CHANGES = (SUPEROFFLOAD, TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, COALESCE_GRAD_REDUCTION, CHECKPOINT_STATE,
-           IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE)
+#: transformers, within its tested range (:data:`ds_odc.integration.versions.TESTED_HF`)
+TRAINER_RUN_EPOCH = Change("TRAINER_RUN_EPOCH", "5.3.0", "Trainer._run_epoch (where current_gradient_accumulation_"
+                           "steps is set) and Trainer._track_num_input_tokens", "both inline in _inner_training_loop: "
+                           "the balance block (which binds them per Trainer) is refused by name; the odc stage itself "
+                           "works", package="transformers")
+CHANGES = (TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, COALESCE_GRAD_REDUCTION, CHECKPOINT_STATE,
+           IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE,
+           TRAINER_RUN_EPOCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +106,12 @@ class PrivateName:
 
     @property
     def releases(self) -> str:
-        """The DeepSpeed releases the entry holds for, as a specifier ("" for every supported release)."""
-        return ",".join(([f">={self.since.release}"] if self.since else []) +
-                        ([f"<{self.before.release}"] if self.before else []))
+        """The releases the entry holds for, as a specifier of the change's package ("" for every supported one)."""
+        change = self.since or self.before
+        if change is None:
+            return ""
+        return change.package + ",".join(([f">={self.since.release}"] if self.since else []) +
+                                         ([f"<{self.before.release}"] if self.before else []))
 
 
 #: Packages ds_odc works without; their entries are checked only on request (see :mod:`ds_odc.integration.surface`).
@@ -228,7 +237,7 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, None, _STAGE3, Kind.MODULE_ATTRIBUTE, _ENGINE,
                 "swapped for the ODC optimizer during _configure_zero_optimizer"),
     PrivateName("deepspeed.runtime.superoffload.superoffload_stage3", None, _STAGE3, Kind.MODULE_ATTRIBUTE, _ENGINE,
-                "imported before any swap, so SuperOffload subclasses ZeRO-3's class", since=SUPEROFFLOAD),
+                "imported before any swap, so SuperOffload subclasses ZeRO-3's class"),
     PrivateName("deepspeed.runtime.zero.utils", None, "get_norm_dtype", Kind.MODULE_ATTRIBUTE, _OPT,
                 "the dtype ZeRO-3 sums squared gradient norms in, for the same norm round arithmetic",
                 since=NORM_DTYPE),
@@ -413,10 +422,10 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "_get_num_items_in_batch", Kind.METHOD, _BALANCE,
                 "the Trainer's own loss-token count, over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
-                "bound on balance Trainers: counts over a slot's micro-batches"),
+                "bound on balance Trainers: counts over a slot's micro-batches", since=TRAINER_RUN_EPOCH),
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
                 _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
-                found_in="_run_epoch"),
+                found_in="_run_epoch", since=TRAINER_RUN_EPOCH),
 )
 
 

@@ -86,3 +86,17 @@ def test_hf_config_objects_see_an_odc_config_as_zero3():
     assert hf_config.config["zero_optimization"]["stage"] == 3 and hf_config.config["odc"] == {"timeout_s": 9.0}
     assert config["zero_optimization"]["stage"] == "odc", "the caller's own dict is not modified"
     assert "auto" not in str(hf_config.config["odc"]), "accelerate would try to fill an 'auto' option"
+
+
+def test_the_balance_block_is_refused_by_name_on_a_transformers_without_its_trainer_methods(monkeypatch):
+    """transformers 4.57 to 5.2 have no Trainer._run_epoch / _track_num_input_tokens (surface_table.
+    TRAINER_RUN_EPOCH): the odc stage works there, the balance block is refused, naming the release it needs."""
+    from ds_odc.config import BalanceConfig
+    from ds_odc.errors import ODCConfigError
+    from ds_odc.integration import hf_balance, surface
+
+    real = surface.installed_version
+    monkeypatch.setattr(surface, "installed_version", lambda package: "4.57.1" if package == "transformers"
+                        else real(package))
+    with pytest.raises(ODCConfigError, match=r"balance .*needs transformers>=5\.3\.0 .*found transformers 4\.57\.1"):
+        hf_balance.bind_balance(object(), BalanceConfig(token_cap=8), release="transformers 4.57.1")

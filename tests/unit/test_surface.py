@@ -15,7 +15,7 @@ from packaging.version import Version
 from ds_odc.integration import register, surface, surface_table
 from ds_odc.integration.surface import SURFACE, Kind, PrivateName, applies, assert_surface, check_surface, has
 from ds_odc.integration.surface_table import CHANGES, Change
-from ds_odc.integration.versions import DEEPSPEED_RANGE, check_deepspeed_version, supported_deepspeed
+from ds_odc.integration.versions import DEEPSPEED_RANGE, TESTED_HF, check_deepspeed_version, supported_deepspeed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = "tests/unit/test_surface.py"  # the user named by the entries these tests make up
@@ -77,13 +77,13 @@ def test_a_removed_method_or_module_attribute_is_reported_by_name(monkeypatch, o
 
 def test_every_missing_name_is_listed_in_one_error(monkeypatch):
     monkeypatch.delattr(ds_stage3.DeepSpeedZeroOptimizer_Stage3, "_post_step")
-    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_backward_post_hook")
+    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_backward_epilogue")  # names every supported release has
     monkeypatch.delattr(ds_coordinator, "assert_ints_same_as_other_ranks")
     with pytest.raises(ImportError) as raised:
         assert_surface()
     message = str(raised.value)
     assert "3 private name(s)" in message
-    for name in ("_post_step", "_backward_post_hook", "assert_ints_same_as_other_ranks"):
+    for name in ("_post_step", "_backward_epilogue", "assert_ints_same_as_other_ranks"):
         assert name in message
 
 
@@ -240,9 +240,10 @@ def test_entries_are_unique_and_source_checks_say_where_to_look():
 
 # -- per release: each supported DeepSpeed release is held to its own form ------------------------------------
 def test_every_change_is_inside_the_range_named_by_its_constant_and_has_entries():
-    low, high = (Version(v) for v in DEEPSPEED_RANGE)
+    ranges = {"deepspeed": DEEPSPEED_RANGE, **TESTED_HF}
     for change in CHANGES:
         assert getattr(surface_table, change.key) is change
+        low, high = (Version(v) for v in ranges[change.package])
         assert low < Version(change.release) <= high, change
         assert [e for e in SURFACE if change in (e.since, e.before)], f"{change.key}: no entry says what changed"
     assert all(e.since in CHANGES + (None,) and e.before in CHANGES + (None,) for e in SURFACE)
@@ -256,7 +257,7 @@ def test_an_entry_holds_from_or_before_the_release_of_its_change():
                               ("0.18.0", False)):
         assert has(change, version) is is_newer
         assert applies(newer, version) is is_newer and applies(older, version) is not is_newer
-    assert newer.releases == ">=0.19.4" and older.releases == "<0.19.4"
+    assert newer.releases == "deepspeed>=0.19.4" and older.releases == "deepspeed<0.19.4"
 
 
 def test_each_release_is_held_to_its_own_form(monkeypatch):
