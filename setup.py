@@ -1,7 +1,7 @@
 import os
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -9,9 +9,6 @@ from setuptools.command.editable_wheel import editable_wheel
 # at interpreter start (stdlib only; it imports ds_odc once deepspeed is imported). DS_ODC_AUTOLOAD=0
 # turns it off. The name sorts after setuptools' "__editable__.*.pth", which makes the module importable.
 AUTOLOAD_PTH = ("ds_odc_autoload.pth", "import ds_odc_autoload; ds_odc_autoload.install()\n")
-HF_PINS = ["transformers==5.23.0", "accelerate==1.15.0"]  # the releases ds_odc/integration/hf.py was verified on
-TRL_PINS = ["trl==1.16.0", "datasets==5.2.0"]  # SFTTrainer under zero_optimization.odc.balance (tests)
-BENCH = ["matplotlib==3.10.7", "tqdm"]  # timeline plots (ds_odc.metrics.plot_timelines) and benchmark progress
 
 
 # The operators' C++/CUDA sources live in ops/csrc (beside the package, as DeepSpeed keeps csrc/); an
@@ -73,21 +70,5 @@ class _StrategyWithAutoload:
         wheel.writestr(*AUTOLOAD_PTH)
 
 
-setup(
-    name="ds_odc",
-    version="0.1.0",
-    description="DeepSpeed ZeRO-3 with on-demand one-sided communication (ODC) for LLM post-training",
-    packages=find_packages(include=["ds_odc", "ds_odc.*"]),
-    py_modules=["ds_odc_autoload", "ds_odc_import_hooks"],
-    cmdclass={"build_py": BuildPyWithAutoload, "editable_wheel": EditableWheelWithAutoload},
-    python_requires=">=3.10",
-    install_requires=[
-        "torch>=2.4",
-        "deepspeed==0.19.8",
-        "pydantic>=2.0",
-        "ninja",
-    ],
-    extras_require={"test": ["pytest>=8", "hypothesis==6.170.15", "ruff==0.17.6", "mypy==2.4.1", *BENCH, *HF_PINS,
-                             *TRL_PINS], "examples": ["tqdm"],
-                    "hf": HF_PINS, "bench": BENCH},
-)
+# Everything else (name, version, dependencies, packages, license) is PEP 621 metadata in pyproject.toml.
+setup(cmdclass={"build_py": BuildPyWithAutoload, "editable_wheel": EditableWheelWithAutoload})

@@ -28,25 +28,38 @@ def _installed_version(package: str) -> str:
 
 
 def versions() -> Dict[str, str]:
-    """ds_odc and what it runs on. torch and DeepSpeed are already imported by ``import ds_odc``."""
+    """ds_odc and what it runs on; for DeepSpeed, transformers and accelerate, whether the release found is in
+    the range ds_odc was tested with (DeepSpeed outside it is refused at import; the other two get a warning).
+    torch and DeepSpeed are already imported by ``import ds_odc``."""
     import deepspeed
     import torch
 
     import ds_odc
-    from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
 
-    ds_note = "" if deepspeed.__version__.split("+")[0] == SUPPORTED_DEEPSPEED else \
-        f" (ds_odc needs {SUPPORTED_DEEPSPEED})"
     found = {
         "ds_odc": f"{ds_odc.__version__} ({os.path.dirname(os.path.abspath(ds_odc.__file__))})",
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": f"{torch.__version__} (cuda {torch.version.cuda or 'none'})",
-        "deepspeed": deepspeed.__version__ + ds_note,
+        "deepspeed": f"{deepspeed.__version__} ({range_note('deepspeed', deepspeed.__version__)})",
         "pydantic": _installed_version("pydantic"),
     }
     for package in ("transformers", "accelerate"):
-        found[package] = _installed_version(package)
+        version = _installed_version(package)
+        found[package] = version if version == "not installed" else f"{version} ({range_note(package, version)})"
     return found
+
+
+def range_note(package: str, version: str) -> str:
+    """``in the tested range (...)`` or ``OUTSIDE the tested range (...): what follows``."""
+    from ds_odc.integration.versions import DEEPSPEED_RANGE, deepspeed_in_range, hf_in_range, tested_hf
+
+    if package == "deepspeed":
+        tested, inside = f"{DEEPSPEED_RANGE[0]} to {DEEPSPEED_RANGE[1]}", deepspeed_in_range(version)
+        outside = "refused at import"
+    else:
+        tested, inside = tested_hf(package), hf_in_range(package, version)
+        outside = "the 'odc' stage warns when it patches it"
+    return f"in the tested range, {tested}" if inside else f"OUTSIDE the tested range, {tested}: {outside}"
 
 
 def environment() -> Dict[str, str]:

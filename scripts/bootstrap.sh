@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.ds_odc_installed
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"

@@ -23,7 +23,10 @@ listed in :mod:`ds_odc.integration.surface`:
 * ``_take_model_step``: runs inside the optimizer's step context (its ``zero_grad`` after the step is
   local), and ``global_samples`` advances by the *global* number of micro-batches;
 * ``_backward_epilogue``: marks DeepSpeed's own ``allreduce_gradients`` call, so that only a caller's
-  explicit one is a fence.
+  explicit one is a fence;
+* ``managed_gradient_accumulation`` / ``is_gradient_accumulation_boundary``: on DeepSpeed releases without
+  ``"managed_gradient_accumulation": false`` (``surface_table.MANAGED_ACCUMULATION``), the engine provides it:
+  the key is read from the ds_config, and then every ``step()`` is the boundary.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import checkpoints, clean_exit, hf_generation, sequence_parallel, zero3_frozen
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
+from ds_odc.integration.surface import has
+from ds_odc.integration.surface_table import MANAGED_ACCUMULATION
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
 from ds_odc.runtime import LossNormalization, ODCRuntime, Phase, StepTotals
@@ -290,6 +295,22 @@ class ODCEngine(DeepSpeedEngine):
         if self.managed_gradient_accumulation() and scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             return _BackwardRule(LossNormalization.MEAN)
         return _BackwardRule(LossNormalization.CALLER)
+
+    # -- unmanaged accumulation where DeepSpeed lacks it (surface_table.MANAGED_ACCUMULATION) ----------
+    def managed_gradient_accumulation(self):
+        """DeepSpeed's ``managed_gradient_accumulation()``; on releases without it, the ds_config's key
+        (DeepSpeed ignores it there, and this engine provides the behaviour: every ``step()`` is the boundary)."""
+        if has(MANAGED_ACCUMULATION):
+            return super().managed_gradient_accumulation()
+        return bool(self._config._param_dict.get("managed_gradient_accumulation", True))
+
+    def is_gradient_accumulation_boundary(self):
+        if has(MANAGED_ACCUMULATION) or self._is_gradient_accumulation_boundary is not None or \
+                self.managed_gradient_accumulation():
+            return super().is_gradient_accumulation_boundary()
+        # the micro-step count of "(self.micro_steps + 1) % self.gradient_accumulation_steps() == 0" replaced:
+        # the caller owns the boundary, and ODC pushes every backward's gradients whatever the boundary says
+        return True
 
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):

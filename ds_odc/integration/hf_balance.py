@@ -30,10 +30,13 @@ from deepspeed.utils import logger
 
 from ds_odc.balance.slots import BalancedSlot, StepHeader
 from ds_odc.config import BalanceConfig
+from ds_odc.errors import ODCConfigError
 from ds_odc.integration.hf_balance_loader import slot_loader
 from ds_odc.integration.hf_gather import gather_rows
 from ds_odc.integration.hf_sequence_parallel import placement_of
 from ds_odc.integration.patching import bind, swapped
+from ds_odc.integration.surface import has
+from ds_odc.integration.surface_table import TRAINER_RUN_EPOCH
 
 #: The one attribute a bound Trainer carries besides its bound methods.
 STATE_ATTRIBUTE = "_ds_odc_balance"
@@ -199,6 +202,10 @@ def bind_balance(trainer, config: BalanceConfig, *, with_loader: bool = True, re
         import transformers
 
         release = f"transformers {transformers.__version__}"
+    if not has(TRAINER_RUN_EPOCH):  # the per-micro-batch methods the slots are bound through came in 5.3.0
+        raise ODCConfigError(f"zero_optimization.odc.balance with the Hugging Face Trainer needs transformers>="
+                             f"{TRAINER_RUN_EPOCH.release} ({TRAINER_RUN_EPOCH.newer}); found {release}: leave the "
+                             "balance block out on this release (the odc stage itself works), or upgrade transformers")
     state = TrainerBalance(config)
     bind(trainer, state.behaviours(with_loader), also_needs=CALLED, needed_for="zero_optimization.odc.balance",
          release=release)

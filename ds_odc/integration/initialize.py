@@ -23,12 +23,13 @@ import json
 
 import deepspeed
 import deepspeed.runtime.config as ds_runtime_config
-from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ds_odc.comm.agreement import AgreementTimeout, answers_of_every_rank
 from ds_odc.config import ENV_OPTIONS, ENV_SWITCH, ODCConfig, canonicalize, env_switch, is_odc_config
 from ds_odc.errors import ODCConfigError
 from ds_odc.integration.patching import PatchSet, delegating, swapped
+from ds_odc.integration.surface import has
+from ds_odc.integration.surface_table import LOAD_DS_CONFIG
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.runtime.same_model import check_same_parameters
 
@@ -45,8 +46,31 @@ def _resolve_config(bound: inspect.BoundArguments):
     if from_args:
         config = args_config
     if config is not None and not isinstance(config, dict):
-        config = load_ds_config(config)
+        config = _load_ds_config(config)
     return config, from_args
+
+
+def _load_ds_config(path_or_base64: str) -> dict:
+    """The ds_config a path (or base64 text) names, read as deepspeed.initialize reads it (surface_table.LOAD_DS_CONFIG:
+    DeepSpeed's own reader where the release has one, else DeepSpeedConfig's way: hjson, duplicate keys refused)."""
+    if has(LOAD_DS_CONFIG):
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+        return load_ds_config(path_or_base64)
+    import base64
+    import os
+
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+    if os.path.exists(path_or_base64):
+        with open(path_or_base64) as file:
+            return hjson.load(file, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    try:
+        return hjson.loads(base64.urlsafe_b64decode(path_or_base64).decode("utf-8"))
+    except (UnicodeDecodeError, AttributeError, ValueError) as err:
+        raise ValueError("Expected a string path to an existing deepspeed config, or a dictionary or a valid base64. "
+                         f"Received: {path_or_base64}") from err
 
 
 def _without_args_config(args, active: bool):

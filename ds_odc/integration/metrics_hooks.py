@@ -92,7 +92,10 @@ def _spanned(recorder, kind, call):
 
 def _boundary_step(engine, recorder, call):
     def wrapped(*args, **kwargs):
-        boundary = not engine.managed_gradient_accumulation() or engine.is_gradient_accumulation_boundary()
+        # an engine without managed_gradient_accumulation (DeepSpeed before surface_table.MANAGED_ACCUMULATION, and
+        # not an ODC engine, which provides it) is managed: DeepSpeed ignores the key there
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        boundary = not managed or engine.is_gradient_accumulation_boundary()
         if not boundary:
             return call(*args, **kwargs)
         with recorder.optimizer_step():

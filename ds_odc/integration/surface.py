@@ -26,8 +26,13 @@ What each check proves, by :class:`Kind` (nothing is called, no instance is buil
   (``co_names``: globals, names imported inside the function, attributes), so it is resolved when the
   function runs and swapping the module attribute around a call reaches it.
 * checkpoint key: ``name=`` or ``'name'`` is in the source of the function that builds the dict.
-* file name part: the text is in the source of ``found_in`` (a function, or a file shipped in the
-  package, the path relative to the package directory).
+* file name part, text in the source: the text is in the source of ``found_in`` (a function, or a file
+  shipped in the package, the path relative to the package directory).
+
+Per release: an entry with ``since=`` / ``before=`` a :class:`Change` holds only on the DeepSpeed releases from /
+before that change's release, and is checked only there, so each supported release is held to its own form
+(``releases`` says which); likewise for transformers within its tested range. :func:`has` tells adapter code which
+side of a change the installed release is on.
 
 A function's source is cut from its file by the line numbers of its code object (``linecache``);
 ``inspect.getsource`` tokenises each block and costs ~35 ms for these functions. A text match can be
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import linecache
@@ -54,9 +60,36 @@ import os
 import re
 import types
 
-from ds_odc.integration.surface_table import OPTIONAL_PACKAGES, PROCESS_WIDE, SURFACE, Kind, PrivateName
+from ds_odc.integration.surface_table import OPTIONAL_PACKAGES, PROCESS_WIDE, SURFACE, Change, Kind, PrivateName
 
-__all__ = ["SURFACE", "PROCESS_WIDE", "Kind", "PrivateName", "check_surface", "assert_surface", "format_missing"]
+__all__ = ["SURFACE", "PROCESS_WIDE", "Change", "Kind", "PrivateName", "check_surface", "assert_surface",
+           "format_missing", "has", "applies"]
+
+
+# -- which release ----------------------------------------------------------------------------------------
+def installed_version(package: str) -> str:
+    """DeepSpeed's ``__version__`` (imported by ``import ds_odc`` anyway); the metadata's for the others (no
+    import: transformers takes seconds)."""
+    if package == "deepspeed":
+        import deepspeed
+
+        return deepspeed.__version__
+    return importlib.metadata.version(package)
+
+
+def has(change: Change, version: str | None = None) -> bool:
+    """Whether the installed ``change.package`` (or ``version`` of it) has the newer form of ``change``."""
+    from packaging.version import Version
+
+    from ds_odc.integration.versions import release
+
+    return release(installed_version(change.package) if version is None else version) >= Version(change.release)
+
+
+def applies(entry: PrivateName, version: str | None = None) -> bool:
+    """Whether ``entry`` holds on the installed release (or ``version``) of its change's package."""
+    return (entry.since is None or has(entry.since, version)) and \
+        (entry.before is None or not has(entry.before, version))
 
 
 # -- checking -----------------------------------------------------------------------------------------
@@ -67,8 +100,14 @@ def _owner(entry: PrivateName):
     return owner
 
 
-def _code(function) -> types.CodeType:
-    return inspect.unwrap(getattr(function, "__func__", function)).__code__
+def _code(function, name: str) -> types.CodeType:
+    """The code of ``function`` (named ``name``), through decorators: those that say what they wrap
+    (``functools.wraps``), and those that only hold it in their closure (DeepSpeed's ``instrument_w_nvtx``)."""
+    function = inspect.unwrap(getattr(function, "__func__", function))
+    if function.__name__ != name:
+        held = [cell.cell_contents for cell in function.__closure__ or () if inspect.isfunction(cell.cell_contents)]
+        function = next((inner for inner in held if inner.__name__ == name), function)
+    return function.__code__
 
 
 def _last_line(code: types.CodeType) -> int:
@@ -92,7 +131,7 @@ def _source(entry: PrivateName, owner, cache: dict) -> str:
             with open(os.path.join(package_dir, found_in), encoding="utf-8", errors="replace") as file:
                 cache[key] = file.read()
         else:
-            code = _code(getattr(owner, found_in))
+            code = _code(getattr(owner, found_in), found_in)
             lines = linecache.getlines(code.co_filename)
             cache[key] = "".join(lines[code.co_firstlineno - 1:_last_line(code)])
     return cache[key]
@@ -123,7 +162,7 @@ def _present(entry: PrivateName, cache: dict) -> bool:
         if kind is Kind.DATACLASS_FIELD:
             return dataclasses.is_dataclass(owner) and entry.name in {f.name for f in dataclasses.fields(owner)}
         if kind is Kind.CALL_TIME_LOOKUP:
-            return entry.name in _code(getattr(owner, _found_in(entry))).co_names
+            return entry.name in _code(getattr(owner, _found_in(entry)), _found_in(entry)).co_names
         source = _source(entry, owner, cache)
     except Exception:  # noqa: BLE001 - a module that fails to import, a class or function gone: not there
         return False
@@ -136,16 +175,19 @@ def _present(entry: PrivateName, cache: dict) -> bool:
     if kind is Kind.CHECKPOINT_KEY:
         escaped = re.escape(entry.name)
         return re.search(rf"\b{escaped}=|['\"]{escaped}['\"]", source) is not None
-    return entry.name in source  # Kind.FILE_NAME
+    return entry.name in source  # Kind.FILE_NAME, Kind.SOURCE_TEXT
 
 
 def check_surface(include_hf: bool = False, entries: tuple[PrivateName, ...] = SURFACE) -> list[PrivateName]:
-    """The entries not found. accelerate / transformers entries only with ``include_hf=True``, and only
-    for those of the two that are installed (checking imports them: seconds for transformers)."""
+    """The entries not found, of those that hold on the installed DeepSpeed release (:func:`applies`).
+    accelerate / transformers entries only with ``include_hf=True``, and only for those of the two that are
+    installed (checking imports them: seconds for transformers)."""
     cache: dict = {}  # (owner, found_in) -> source text; (owner, found_in, receiver) -> names it assigns
     missing = []
     for entry in entries:
         if entry.package in OPTIONAL_PACKAGES and not (include_hf and importlib.util.find_spec(entry.package)):
+            continue
+        if not applies(entry):
             continue
         if not _present(entry, cache):
             missing.append(entry)
@@ -157,14 +199,17 @@ def format_missing(missing: list[PrivateName]) -> str:
     import deepspeed
     import torch
 
-    from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
+    from ds_odc.integration.versions import supported_deepspeed
 
-    lines = [f"ds_odc {__import__('ds_odc').__version__} supports deepspeed=={SUPPORTED_DEEPSPEED} (found "
+    def held_on(entry: PrivateName) -> str:
+        return f", as {entry.releases} has it" if entry.releases else ""
+
+    lines = [f"ds_odc {__import__('ds_odc').__version__} supports deepspeed{supported_deepspeed()} (found "
              f"deepspeed {deepspeed.__version__}, torch {torch.__version__}), and {len(missing)} private name(s) "
              "it relies on are missing:"]
-    lines += [f"  - {entry.describe()}: needed by {entry.used_by} ({entry.why})" for entry in missing]
-    lines.append(f"Install deepspeed=={SUPPORTED_DEEPSPEED} (and a torch release it supports); the names ds_odc "
-                 "relies on are listed in ds_odc/integration/surface_table.py.")
+    lines += [f"  - {entry.describe()}{held_on(entry)}: needed by {entry.used_by} ({entry.why})" for entry in missing]
+    lines.append(f"Install deepspeed{supported_deepspeed()} (and a torch release it supports); the names ds_odc "
+                 "relies on, per release where they differ, are listed in ds_odc/integration/surface_table.py.")
     return "\n".join(lines)
 
 

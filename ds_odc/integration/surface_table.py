@@ -18,6 +18,54 @@ class Kind(enum.Enum):
     CALL_TIME_LOOKUP = "looked up at call time"
     CHECKPOINT_KEY = "checkpoint key"
     FILE_NAME = "file name part"
+    SOURCE_TEXT = "text in the source"
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A difference between two supported releases of ``package`` (DeepSpeed, or transformers / accelerate within
+    their tested ranges). ``release`` is the first with the newer form.
+
+    Entries of :data:`SURFACE` say which form they belong to (``since=`` the change, or ``before=`` it), so the
+    import-time check holds each release to its own form. Adapter code that must act differently asks
+    :func:`ds_odc.integration.surface.has` about the change by its constant here, never about a version number:
+    this table is the one place that knows which release changed what."""
+    key: str  # the constant's name here, which the adapter files that act on the change refer to
+    release: str
+    newer: str  # what the releases from ``release`` on have
+    older: str  # what the earlier releases have, and what ds_odc does there
+    package: str = "deepspeed"
+
+
+#: The differences within the supported range (:data:`ds_odc.integration.versions.DEEPSPEED_RANGE`), oldest first.
+TORCH_STYLE_BACKWARD = Change("TORCH_STYLE_BACKWARD", "0.18.3", "loss.backward() on an engine (DeepSpeedEngine."
+                              "_backward_post_hook, _backward_prologue_per_tensor, _running_engine_backward)",
+                              "engine.backward() only: ODCEngine's overrides of those hooks are never called")
+LOAD_DS_CONFIG = Change("LOAD_DS_CONFIG", "0.18.6", "deepspeed.runtime.tensor_parallel.init_utils.load_ds_config "
+                        "reads a ds_config given as a path", "ds_odc reads the file as DeepSpeedConfig does (hjson, "
+                        "duplicate keys refused with DeepSpeed's own hook)")
+COALESCE_GRAD_REDUCTION = Change("COALESCE_GRAD_REDUCTION", "0.19.1", "engine.coalesce_grad_reduction() and the "
+                                 "optimizer's _coalesce_grad_reduction flag", "no such block: every gradient goes "
+                                 "through ZeRO-3's bucket, which ODC pushes")
+CHECKPOINT_STATE = Change("CHECKPOINT_STATE", "0.19.3", "DeepSpeedEngine._common_checkpoint_state builds the "
+                          "model-states dict", "_save_checkpoint builds it (the same keys)")
+IPG_BUCKET_GROUP = Change("IPG_BUCKET_GROUP", "0.19.3", "IPGBucketZ3.process_group, cleared with the bucket",
+                          "buckets have no group: nothing to clear")
+MANAGED_ACCUMULATION = Change("MANAGED_ACCUMULATION", "0.19.4", "\"managed_gradient_accumulation\": false "
+                              "(DeepSpeedEngine.managed_gradient_accumulation(); every step() is the boundary)",
+                              "DeepSpeed ignores the key and counts micro-steps; an ODC engine provides it (reads "
+                              "the key, and every step() is its boundary); a ZeRO-3 engine stays managed, as "
+                              "DeepSpeed has it")
+NORM_DTYPE = Change("NORM_DTYPE", "0.19.6", "deepspeed.runtime.zero.utils.get_norm_dtype(), the dtype ZeRO-3 sums "
+                    "squared gradient norms in", "ZeRO-3 sums them in float64 (.double()): so does ODC")
+#: transformers, within its tested range (:data:`ds_odc.integration.versions.TESTED_HF`)
+TRAINER_RUN_EPOCH = Change("TRAINER_RUN_EPOCH", "5.3.0", "Trainer._run_epoch (where current_gradient_accumulation_"
+                           "steps is set) and Trainer._track_num_input_tokens", "both inline in _inner_training_loop: "
+                           "the balance block (which binds them per Trainer) is refused by name; the odc stage itself "
+                           "works", package="transformers")
+CHANGES = (TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, COALESCE_GRAD_REDUCTION, CHECKPOINT_STATE,
+           IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE,
+           TRAINER_RUN_EPOCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +78,8 @@ class PrivateName:
     used_by: str  # the file(s) that use it, from the repository root
     why: str
     found_in: str | None = None  # source checks: a function of ``cls`` (else of the module), or a file
+    since: Change | None = None  # the entry holds from this change's release on (None: every supported release)
+    before: Change | None = None  # the entry holds only before this change's release
 
     @property
     def owner(self) -> str:
@@ -51,7 +101,17 @@ class PrivateName:
             Kind.CALL_TIME_LOOKUP: f"{self.name} looked up at call time by {where}",
             Kind.CHECKPOINT_KEY: f"checkpoint key {self.name!r} written by {where}",
             Kind.FILE_NAME: f"file name part {self.name!r} in {where}",
+            Kind.SOURCE_TEXT: f"{self.name!r} in the source of {where}",
         }.get(self.kind, f"{self.kind.value} {self.owner}.{self.name}")
+
+    @property
+    def releases(self) -> str:
+        """The releases the entry holds for, as a specifier of the change's package ("" for every supported one)."""
+        change = self.since or self.before
+        if change is None:
+            return ""
+        return change.package + ",".join(([f">={self.since.release}"] if self.since else []) +
+                                         ([f"<{self.before.release}"] if self.before else []))
 
 
 #: Packages ds_odc works without; their entries are checked only on request (see :mod:`ds_odc.integration.surface`).
@@ -91,7 +151,9 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("deepspeed.runtime.config", "DeepSpeedConfig", "_param_dict", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
                 "the raw ds_config, where the 'odc' options are read", found_in="__init__"),
     PrivateName("deepspeed.runtime.tensor_parallel.init_utils", None, "load_ds_config", Kind.MODULE_ATTRIBUTE, _INIT,
-                "reads a ds_config given as a path, as deepspeed.initialize does"),
+                "reads a ds_config given as a path, as deepspeed.initialize does", since=LOAD_DS_CONFIG),
+    PrivateName("deepspeed.runtime.config_utils", None, "dict_raise_error_on_duplicate_keys", Kind.MODULE_ATTRIBUTE,
+                _INIT, "reads a ds_config given as a path as DeepSpeedConfig does", before=LOAD_DS_CONFIG),
     PrivateName("deepspeed.constants", None, "default_pg_timeout", Kind.MODULE_ATTRIBUTE, _TIMEOUTS,
                 "the silent-peer bound when the process group's cannot be read"),
     PrivateName("deepspeed", None, "deepspeed_allreduce_buffer", Kind.FILE_NAME, _SHM,
@@ -104,9 +166,9 @@ SURFACE: tuple[PrivateName, ...] = (
                 "imported at call time, so the module-attribute swap reaches it",
                 found_in="_configure_zero_optimizer"),
     PrivateName(_ENG, _ENGINE_CLS, "_backward_prologue_per_tensor", Kind.METHOD, _ENGINE,
-                "overridden: no 1/gradient_accumulation_steps for per-token micro-batches"),
+                "overridden: no 1/gradient_accumulation_steps for per-token micro-batches", since=TORCH_STYLE_BACKWARD),
     PrivateName(_ENG, _ENGINE_CLS, "_backward_post_hook", Kind.METHOD, _ENGINE,
-                "overridden: a ledger entry per loss.backward()"),
+                "overridden: a ledger entry per loss.backward()", since=TORCH_STYLE_BACKWARD),
     PrivateName(_ENG, _ENGINE_CLS, "_take_model_step", Kind.METHOD, _ENGINE,
                 "overridden: global_samples counts the global micro-batches; its zero_grad stays local"),
     PrivateName(_ENG, _ENGINE_CLS, "_backward_epilogue", Kind.METHOD, _ENGINE,
@@ -122,11 +184,17 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_ENG, _ENGINE_CLS, "load_universal_checkpoint", Kind.METHOD, _CKPT,
                 "whether a load is a universal one"),
     PrivateName(_ENG, _ENGINE_CLS, "managed_gradient_accumulation", Kind.METHOD, f"{_ENGINE}, {_METRICS}",
-                "whether DeepSpeed decides the accumulation boundary"),
+                "whether DeepSpeed decides the accumulation boundary", since=MANAGED_ACCUMULATION),
+    PrivateName(_ENG, _ENGINE_CLS, "(self.micro_steps + 1) % self.gradient_accumulation_steps() == 0",
+                Kind.SOURCE_TEXT, _ENGINE, "the micro-step boundary an unmanaged ODC engine replaces (every step())",
+                found_in="is_gradient_accumulation_boundary", before=MANAGED_ACCUMULATION),
+    PrivateName(_ENG, _ENGINE_CLS, "_is_gradient_accumulation_boundary", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
+                "a boundary the caller set wins over an unmanaged ODC engine's", found_in="__init__",
+                before=MANAGED_ACCUMULATION),
     PrivateName(_ENG, _ENGINE_CLS, "_config", Kind.INSTANCE_ATTRIBUTE, _ENGINE, "holds the raw ds_config",
                 found_in="__init__"),
     PrivateName(_ENG, _ENGINE_CLS, "_running_engine_backward", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
-                "tells loss.backward() from engine.backward()", found_in="__init__"),
+                "tells loss.backward() from engine.backward()", found_in="__init__", since=TORCH_STYLE_BACKWARD),
     PrivateName(_ENG, _ENGINE_CLS, "global_samples", Kind.INSTANCE_ATTRIBUTE, _ENGINE,
                 "re-set from the global micro-batch count", found_in="__init__"),
     PrivateName(_ENG, _ENGINE_CLS, "sequence_parallel_size", Kind.INSTANCE_ATTRIBUTE,
@@ -142,11 +210,23 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_ENG, _ENGINE_CLS, "checkpoint_engine", Kind.INSTANCE_ATTRIBUTE, _CKPT,
                 "decoupled engines commit 'latest' themselves", found_in="_configure_checkpointing"),
     PrivateName(_ENG, _ENGINE_CLS, "module", Kind.CHECKPOINT_KEY, _CKPT, "buffers restored after a universal load",
-                found_in="_common_checkpoint_state"),
+                found_in="_common_checkpoint_state",
+                since=CHECKPOINT_STATE),
+    PrivateName(_ENG, _ENGINE_CLS, "module", Kind.CHECKPOINT_KEY, _CKPT, "buffers restored after a universal load",
+                found_in="_save_checkpoint",
+                before=CHECKPOINT_STATE),
     PrivateName(_ENG, _ENGINE_CLS, "frozen_param_shapes", Kind.CHECKPOINT_KEY, _CKPT,
-                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state",
+                since=CHECKPOINT_STATE),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_shapes", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_save_checkpoint",
+                before=CHECKPOINT_STATE),
     PrivateName(_ENG, _ENGINE_CLS, "frozen_param_fragments", Kind.CHECKPOINT_KEY, _CKPT,
-                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state"),
+                "frozen parameters restored after a universal load", found_in="_common_checkpoint_state",
+                since=CHECKPOINT_STATE),
+    PrivateName(_ENG, _ENGINE_CLS, "frozen_param_fragments", Kind.CHECKPOINT_KEY, _CKPT,
+                "frozen parameters restored after a universal load", found_in="_save_checkpoint",
+                before=CHECKPOINT_STATE),
     PrivateName(_ENG, _ENGINE_CLS, "zero_pp_rank_", Kind.FILE_NAME, _CKPT,
                 "counts and orders the saving ranks' files", found_in="_get_ckpt_name"),
     PrivateName(_ENG, _ENGINE_CLS, "_model_states.pt", Kind.FILE_NAME, _CKPT,
@@ -159,7 +239,11 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("deepspeed.runtime.superoffload.superoffload_stage3", None, _STAGE3, Kind.MODULE_ATTRIBUTE, _ENGINE,
                 "imported before any swap, so SuperOffload subclasses ZeRO-3's class"),
     PrivateName("deepspeed.runtime.zero.utils", None, "get_norm_dtype", Kind.MODULE_ATTRIBUTE, _OPT,
-                "the dtype ZeRO-3 sums squared gradient norms in, for the same norm round arithmetic"),
+                "the dtype ZeRO-3 sums squared gradient norms in, for the same norm round arithmetic",
+                since=NORM_DTYPE),
+    PrivateName(_Z3, _STAGE3, ".double().norm(2)", Kind.SOURCE_TEXT, _OPT,
+                "ZeRO-3 sums squared gradient norms in float64: the norm round does too",
+                found_in="get_grad_norm_direct", before=NORM_DTYPE),
     PrivateName(_Z3, _STAGE3, "_create_fp16_partitions_with_defragmentation", Kind.METHOD, _OPT,
                 "overridden: the flat shard buffer moves into the parameter window"),
     PrivateName(_Z3, _STAGE3, f"_{_STAGE3}__reduce_and_partition_ipg_grads", Kind.METHOD, f"{_OPT}, {_METRICS}",
@@ -181,7 +265,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, _STAGE3, "reduce_independent_p_g_buckets_and_remove_grads", Kind.METHOD, _OPT,
                 "called without ZeRO-3's coalescing check: ODC pushes every backward's gradients"),
     PrivateName(_Z3, _STAGE3, "_coalesce_grad_reduction", Kind.INSTANCE_ATTRIBUTE, _OPT,
-                "inside engine.coalesce_grad_reduction(): each gradient pushed as it comes", found_in="__init__"),
+                "inside engine.coalesce_grad_reduction(): each gradient pushed as it comes", found_in="__init__",
+                since=COALESCE_GRAD_REDUCTION),
     PrivateName(_Z3, _STAGE3, "reduce_ready_partitions_and_remove_grads", Kind.METHOD, _OPT,
                 "overridden: a heartbeat per gradient"),
     PrivateName(_Z3, _STAGE3, "destroy", Kind.METHOD, _OPT, "overridden: releases windows and hooks"),
@@ -232,7 +317,8 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName(_Z3, "IPGBucketZ3", "params", Kind.DATACLASS_FIELD, _OPT,
                 "cleared after the pushes, as clear_params does"),
     PrivateName(_Z3, "IPGBucketZ3", "elements", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
-    PrivateName(_Z3, "IPGBucketZ3", "process_group", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes"),
+    PrivateName(_Z3, "IPGBucketZ3", "process_group", Kind.DATACLASS_FIELD, _OPT, "cleared after the pushes",
+                since=IPG_BUCKET_GROUP),
     # -- deepspeed.runtime.zero: parameter offload, coordinator, parameter status ------------------------
     PrivateName("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "get_param_coordinator",
                 Kind.METHOD, f"{_OPT}, {_METRICS}, {_FROZEN}",
@@ -336,10 +422,10 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "_get_num_items_in_batch", Kind.METHOD, _BALANCE,
                 "the Trainer's own loss-token count, over a slot's micro-batches"),
     PrivateName("transformers.trainer", "Trainer", "_track_num_input_tokens", Kind.METHOD, _BALANCE,
-                "bound on balance Trainers: counts over a slot's micro-batches"),
+                "bound on balance Trainers: counts over a slot's micro-batches", since=TRAINER_RUN_EPOCH),
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
                 _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
-                found_in="_run_epoch"),
+                found_in="_run_epoch", since=TRAINER_RUN_EPOCH),
 )
 
 

@@ -31,12 +31,13 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import zero3_windows as windows
 from ds_odc.integration.clean_exit import release_allreduce_buffer
+from ds_odc.integration.surface import has
+from ds_odc.integration.surface_table import COALESCE_GRAD_REDUCTION, IPG_BUCKET_GROUP, NORM_DTYPE
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_params import install_pulls, restore_trace_checks, skip_trace_checks, uninstall_pulls
 from ds_odc.runtime import GlobalNorms, ODCRuntime, Phase, StepTotals, StepUpdate, open_session
@@ -72,6 +73,16 @@ class _Zero3Update(StepUpdate):
         optimizer._odc_stage_offload_grads()
         self.context.norms = norms
         DeepSpeedZeroOptimizer_Stage3.step(optimizer)
+
+
+def _norm_dtype() -> torch.dtype:
+    """The dtype ZeRO-3 sums squared gradient norms in (``surface_table.NORM_DTYPE``): ``get_norm_dtype()``,
+    float64 before DeepSpeed had it (``.double().norm(2)``)."""
+    if has(NORM_DTYPE):
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        return get_norm_dtype()
+    return torch.float64
 
 
 class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -133,7 +144,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         (summing in bf16 first was 1e-3 away after one Adam step)."""
         self.odc_gradients_seen += 1
         self.odc.transport.heartbeat()
-        if self._coalesce_grad_reduction:
+        if has(COALESCE_GRAD_REDUCTION) and self._coalesce_grad_reduction:
             if param.grad is not None and param.grad.numel():  # empty: a leaf hook's zero-fill of a released parameter
                 self.odc.push(param.ds_id, param.grad.reshape(-1))
             param.grad = None
@@ -157,7 +168,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 param.grad = None
         bucket.params.clear()
         bucket.elements = 0
-        bucket.process_group = None
+        if has(IPG_BUCKET_GROUP):
+            bucket.process_group = None
 
     _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = _odc_push_bucket
 
@@ -182,7 +194,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         sums them (float64, on the host)."""
         squares = []
         for sub_group in self.fp16_groups:
-            norms = [g.to(get_norm_dtype()).norm(2) for g in windows.accumulator_views(self, sub_group)]
+            norms = [g.to(_norm_dtype()).norm(2) for g in windows.accumulator_views(self, sub_group)]
             squares.append(torch.sum(torch.pow(torch.stack(norms), 2)) if norms
                            else torch.zeros((), dtype=torch.float64))
         return torch.stack(squares).to(torch.float64).cpu()
@@ -268,7 +280,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             norms = self.odc.gradient_norms(self._odc_squared_norms(), what)
         sentinel = torch.tensor(-1.0, dtype=torch.float)
         # the dtype ZeRO-3's own norms have: its offload path computes them in fp32
-        dtype = torch.float32 if self.offload_optimizer else get_norm_dtype()
+        dtype = torch.float32 if self.offload_optimizer else _norm_dtype()
         return [torch.where(n.isinf() | n.isnan(), sentinel, n).to(self.device, dtype) for n in norms.group_norms()]
 
     def has_overflow(self, partition_gradients=True):

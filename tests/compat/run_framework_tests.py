@@ -1,11 +1,16 @@
 """Post-training frameworks on ODC: each scenario run twice on 2 CPU ranks, once asking for the odc stage
 the way that framework's users can, once on ZeRO-3, on the same data; the losses are compared step by step.
 
-Opt-in (CI does not run it: it installs frameworks). Each framework gets a virtual environment of its own at
-pinned releases (``--venv-root``, outside the checkout), with torch 2.13.0 first and a constraints file
-holding torch at 2.13.0 for every later install (a framework that asks for another torch fails to install
-instead of downloading one), DeepSpeed 0.19.8, and ds_odc (``pip install -e``); the runs put this checkout
-first on ``PYTHONPATH``, so they test this checkout's ds_odc even in a venv built from another one. The
+Opt-in (CI does not run it: it installs frameworks). Each framework gets a virtual environment of its own
+(``--venv-root``, outside the checkout) made as its users would make it: torch 2.13.0 first, with a
+constraints file holding torch at 2.13.0 for every later install (a framework that asks for another torch
+fails to install instead of downloading one); then ONE pip install of the framework at its release together
+with ds_odc (``-e <checkout>[hf]``), so pip's resolver meets the framework's own requirements and ds_odc's
+declared ranges at once: no DeepSpeed, transformers or accelerate is forced (OpenRLHF pins deepspeed 0.19.6 and
+transformers 5.15.0 itself). A requirement that cannot be met on this CPU machine is named in ``unmet`` with the
+reason; the framework's other requirements are then resolved the same way and the framework itself installed
+after them without dependencies. The runs put this checkout first on ``PYTHONPATH``, so they test this
+checkout's ds_odc even in a venv built from another one. The
 scenarios are small scripts in ``tests/compat/frameworks/``; a probe (``frameworks/probe/sitecustomize.py``)
 records which engine every ``deepspeed.initialize`` built, and a route whose engines are not the ones asked
 for fails, whatever its losses.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,23 +41,28 @@ SCRIPTS = os.path.join(HERE, "frameworks")
 PROBE_DIR = os.path.join(SCRIPTS, "probe")
 STUBS_DIR = os.path.join(SCRIPTS, "stubs")
 TORCH = "torch==2.13.0"
-DEEPSPEED = "deepspeed==0.19.8"
 TOLERANCE = 1e-4  # |loss diff|; fp32 ODC and ZeRO-3 differ by summation order only (docs/normalisation.md, Numerics)
 WEIGHT_TOLERANCE = 1e-3  # |diff| of per-tensor sums of saved weights (sums of up to ~25k fp32 values)
 
 
 @dataclass
 class Env:
-    """One framework's virtual environment: ``pins`` installed with the torch constraint, then ``no_deps``
-    (packages whose declared dependencies cannot be met on this torch), then ds_odc from the checkout."""
+    """One framework's virtual environment: ``framework`` (its release) resolved by pip together with ds_odc and
+    ``extra`` (what a scenario needs that the framework does not declare), its ``unmet`` requirements left out
+    with the reason (the framework then installed without dependencies, after the rest were resolved)."""
     name: str
-    version: str
-    pins: list
-    no_deps: list = field(default_factory=list)
+    framework: str
+    extra: list = field(default_factory=list)
+    unmet: dict = field(default_factory=dict)  # requirement name -> why it cannot be met here
     stubs: bool = False  # put frameworks/stubs (an empty torchaudio) on PYTHONPATH
 
+    @property
+    def version(self) -> str:
+        return self.framework.replace("==", " ")
+
     def spec(self) -> dict:
-        return {"torch": TORCH, "pins": self.pins, "no_deps": self.no_deps, "checkout": CHECKOUT}
+        return {"torch": TORCH, "framework": self.framework, "extra": self.extra, "unmet": sorted(self.unmet),
+                "checkout": CHECKOUT}
 
     @staticmethod
     def same_packages(recorded: dict, wanted: dict) -> bool:
@@ -60,20 +71,18 @@ class Env:
                                                                           if k != "checkout"}
 
 
+NO_TORCH_PAIR = "no release pairs with torch 2.13.0 (each pins the torch it was built with)"
+CUDA_BUILD_ONLY = ("its one release for torch 2.13.0 (0.28.0) is a CUDA build whose operators do not load with the "
+                   "CPU torch, and transformers imports it whenever it is installed")
 ENVS = {env.name: env for env in (
-    Env("trl", "trl 1.16.0", [DEEPSPEED, "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0",
-                              "datasets==5.2.0"]),
-    # llamafactory 0.9.5 declares torchvision and torchaudio, which no release pairs with torch 2.13.0 here
-    Env("llamafactory", "llamafactory 0.9.5",
-        [DEEPSPEED, "transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "datasets==4.0.0", "peft==0.18.1",
-         "omegaconf", "fire", "einops", "sentencepiece", "tiktoken", "protobuf", "pandas", "scipy", "matplotlib",
-         "tyro<0.9", "av<=16.0.0"], ["llamafactory==0.9.5"], stubs=True),
-    # arctic-training 0.8.0 asks transformers>=4.56,<5 and an unpinned torch (held at 2.13.0 by the constraint)
-    Env("arctic", "arctic-training 0.8.0",
-        [DEEPSPEED, "transformers==4.57.1", "peft==0.18.1", "datasets==4.0.0", "arctic-training==0.8.0"]),
+    Env("trl", "trl==1.16.0"),
+    # OpenRLHF itself needs CUDA to run (the OpenRLHF-shaped loop stands in for it), but its pinned stack installs
+    Env("openrlhf", "openrlhf==0.11.2", unmet={"flash-attn": "builds CUDA kernels: needs nvcc and a CUDA torch"}),
+    Env("llamafactory", "llamafactory==0.9.5", unmet={"torchaudio": NO_TORCH_PAIR, "torchvision": CUDA_BUILD_ONLY},
+        stubs=True),
+    # ArcticTraining's own requirements leave peft and datasets open; its transformers<5 code needs these
+    Env("arctic", "arctic-training==0.8.0", extra=["peft<0.19", "datasets>=4,<5"]),
 )}
-
-
 @dataclass
 class Scenario:
     """``argv`` after the interpreter; ``torchrun`` starts 2 ranks, else the script starts them itself.
@@ -97,7 +106,7 @@ SCENARIOS = [
     _trl("sft"), _trl("dpo"), _trl("grpo"), _trl("dpo_balance"), _trl("grpo_long"), _trl("grpo_long_nogather"),
     Scenario("LLaMA-Factory", "llamafactory", "sft", ["llamafactory_driver.py", "sft"], "marker", torchrun=False),
     Scenario("LLaMA-Factory", "llamafactory", "dpo", ["llamafactory_driver.py", "dpo"], "marker", torchrun=False),
-    Scenario("OpenRLHF-shaped loop", "trl", "dynamic batches", ["openrlhf_loop.py"], "env",
+    Scenario("OpenRLHF-shaped loop", "openrlhf", "dynamic batches", ["openrlhf_loop.py"], "env",
              route_env={"DS_ODC_STAGE3": "odc", "DS_ODC_OPTIONS": '{"timeout_s": 120}'}),
     Scenario("accelerate (axolotl's variables)", "trl", "sft", ["accelerate_env.py"], "env",
              route_env={**AXOLOTL, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "odc"},
@@ -122,15 +131,41 @@ def ensure_env(env: Env, root: str) -> str:
     constraints = os.path.join(path, "constraints.txt")
     with open(constraints, "w") as handle:
         handle.write(TORCH + "\n")
-    pip = [python, "-m", "pip", "install", "-q"]
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--upgrade", "pip", "setuptools", "wheel"], check=True)
     subprocess.run([*pip, TORCH], check=True)
-    subprocess.run([*pip, "-c", constraints, *env.pins], check=True)
-    if env.no_deps:
-        subprocess.run([*pip, "--no-deps", *env.no_deps], check=True)
-    subprocess.run([*pip, "-c", constraints, "-e", CHECKOUT], check=True)
+    # DeepSpeed builds against the installed torch, so nothing is built in isolation (that would pull a torch)
+    resolve = [*pip, "-c", constraints, "--no-build-isolation", "-e", f"{CHECKOUT}[hf]", *env.extra]
+    if not env.unmet:
+        subprocess.run([*resolve, env.framework], check=True)
+    else:
+        subprocess.run([*resolve, *declared_requirements(env, python, path)], check=True)
+        subprocess.run([*pip, "--no-deps", env.framework], check=True)
     with open(stamp, "w") as handle:
         json.dump(env.spec(), handle)
     return python
+
+
+def declared_requirements(env: Env, python: str, scratch: str) -> list:
+    """The framework's own requirements (its wheel's metadata), less ``env.unmet`` and optional extras."""
+    wheels = os.path.join(scratch, "framework_wheel")
+    subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "-d", wheels, env.framework], check=True)
+    from email.parser import Parser
+    from zipfile import ZipFile
+
+    (wheel,) = [os.path.join(wheels, name) for name in os.listdir(wheels) if name.endswith(".whl")]
+    with ZipFile(wheel) as archive:
+        (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        declared = Parser().parsestr(archive.read(metadata).decode()).get_all("Requires-Dist") or []
+    kept = []
+    for requirement in declared:
+        name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if "extra ==" in requirement or name in env.unmet:
+            continue
+        kept.append(requirement)
+    print(f"{env.framework}: its {len(kept)} requirements resolved with ds_odc; left out: "
+          + "; ".join(f"{name} ({why})" for name, why in env.unmet.items()), flush=True)
+    return kept
 
 
 # -- one run --------------------------------------------------------------------------------------------
@@ -203,6 +238,13 @@ def weights_diff(a, b):
     return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 
 
+def resolved_stack(python: str) -> str:
+    """``deepspeed / transformers / accelerate`` as pip resolved them in the environment."""
+    code = ("import importlib.metadata as m\n"
+            "print(' / '.join(m.version(p) for p in ('deepspeed', 'transformers', 'accelerate')))")
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) -> dict:
     odc = run_route(scenario, scenario.route, python, model_dir, work, args)
     zero3 = run_route(scenario, "3", python, model_dir, work, args)
@@ -222,6 +264,7 @@ def compare(scenario: Scenario, python: str, model_dir: str, work: str, args) ->
     if not engines_ok(zero3, False):
         problems.append(f"baseline built {engine_summary(zero3)}, not DeepSpeedEngine")
     return {"framework": scenario.framework, "version": ENVS[scenario.env].version, "scenario": scenario.name,
+            "stack": resolved_stack(python),
             "route": scenario.route, "steps": len(odc.get("losses") or []), "loss_diff": loss, "norm_diff": norms,
             "engines": engine_summary(odc), "micro_batches": " ".join(odc.get("micro_batches") or []),
             "weights_diff": weights, "ok": not problems, "problems": problems,
@@ -232,10 +275,12 @@ def table(rows: list) -> str:
     def num(value):
         return "-" if value is None else f"{value:.1e}"
 
-    lines = ["| framework | version | scenario | route | steps | max \\|loss diff\\| | max \\|grad-norm diff\\| "
-             "| engines (rank 0) | result | wall s (route / zero-3) |", "|" + " --- |" * 10]
+    lines = ["| framework | version | deepspeed / transformers / accelerate (resolved) | scenario | route | steps "
+             "| max \\|loss diff\\| | max \\|grad-norm diff\\| | engines (rank 0) | result | wall s (route / zero-3) |",
+             "|" + " --- |" * 11]
     for row in rows:
-        lines.append(f"| {row['framework']} | {row['version']} | {row['scenario']} | {row['route']} | {row['steps']} "
+        lines.append(f"| {row['framework']} | {row['version']} | {row['stack']} | {row['scenario']} | {row['route']} "
+                     f"| {row['steps']} "
                      f"| {num(row['loss_diff'])} | {num(row['norm_diff'])} | {row['engines']} "
                      f"| {'pass' if row['ok'] else 'FAIL'} | {row['wall_s'][0]:.0f} / {row['wall_s'][1]:.0f} |")
     return "\n".join(lines)

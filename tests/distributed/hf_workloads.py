@@ -76,9 +76,10 @@ def loss_recorder():
 
 
 def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str | None = None,
-                  evaluate_first: bool = True, pretrained: str | None = None) -> dict:
+                  evaluate_first: bool = True, pretrained: str | None = None, train: bool = True) -> dict:
     """One Trainer life: build the model (``from_pretrained(pretrained)`` or ``_from_config``), [evaluate,]
-    train (optionally resumed), evaluate, save_model. Returns what happened."""
+    train (optionally resumed), evaluate, save_model. Returns what happened. ``train=False``: stop after the
+    first evaluate (ZeRO-3 cannot train after an evaluate: transformers' own order problem)."""
     import deepspeed
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
     from transformers.integrations import is_deepspeed_zero3_enabled
@@ -103,6 +104,8 @@ def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str |
     trainer = Trainer(model=model, args=args, train_dataset=CountingDataset(32, seed=1),
                       eval_dataset=CountingDataset(8, seed=2), callbacks=[recorder])
     eval_before = trainer.evaluate()["eval_loss"] if evaluate_first else None
+    if not train:
+        return {"eval_before": eval_before, "initial": initial}
     trainer.train(resume_from_checkpoint=resume_from)
     engine = trainer.model_wrapped
     eval_after = trainer.evaluate()["eval_loss"]

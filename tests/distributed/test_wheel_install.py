@@ -1,13 +1,17 @@
-"""A wheel built from the repository installs a working engine: it carries the operators' sources,
-and the installed (non-editable) package finds them, reports them and can build from them.
+"""The package users install: an sdist and a wheel build from a clean copy of the checkout (the wheel also
+from the sdist), and the wheel installs into a fresh environment beside a given DeepSpeed, where
+``python -m ds_odc report`` and a 2-rank training step run from outside the checkout. The wheel carries the
+operators' sources, and the installed (non-editable) package finds them, reports them and can build from them.
 
-Slow (a wheel build, a fresh virtual environment, a JIT build: about 15 s), but it runs in CI: a
-wheel that silently drops ``ops/`` is exactly how a GPU user would find out too late.
+Slow (two builds, a fresh virtual environment, a JIT build, a 2-rank run: about 40 s), but it runs in CI: a
+wheel that silently drops ``ops/`` or the autoload ``.pth``, or metadata that refuses the DeepSpeed a user has,
+is exactly how a user would find out too late.
 
-The fresh environment sees torch and DeepSpeed through a ``.pth`` line naming this interpreter's
-site-packages (directories named in a ``.pth`` are put on ``sys.path`` without running their own
-``.pth`` files, so the checkout's editable finder does not come along). pip is always run with
-``--no-deps --no-index``: it must never resolve torch into the new environment.
+The fresh environment sees torch and DeepSpeed (the "given DeepSpeed": this interpreter's) through a ``.pth``
+line naming this interpreter's site-packages (directories named in a ``.pth`` are put on ``sys.path`` without
+running their own ``.pth`` files, so the checkout's editable finder does not come along). pip installs the wheel
+with ``--no-index``: its resolver finds ds_odc's requirements (torch, DeepSpeed in the declared range, pydantic,
+ninja) already there, or fails; it must never download torch into the new environment.
 """
 import json
 import os
@@ -15,10 +19,14 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import zipfile
 
 import pytest
+
+from ds_odc.integration.versions import DEEPSPEED_RANGE
+from tests.distributed.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OP_SOURCES = {"odc_atomics.cpp", "odc_kernels.cu", "odc_kernels.h", "odc_ops.cpp"}
@@ -50,6 +58,8 @@ def installed(tmp_path_factory):
     try:
         source, dist, venv = (os.path.join(work, d) for d in ("src", "dist", "venv"))
         _copy_of_the_checkout(source)
+        _run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({dist!r})"],
+             cwd=source)  # PEP 517's hook, as `python -m build --sdist` calls it
         _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "--no-index",
               "-q", "-w", dist], cwd=source)
         (wheel,) = [os.path.join(dist, f) for f in os.listdir(dist) if f.endswith(".whl")]
@@ -58,8 +68,7 @@ def installed(tmp_path_factory):
         site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=work).strip()
         with open(os.path.join(site, "zz_ds_odc_test_base.pth"), "w") as pth:
             pth.write(sysconfig.get_paths()["purelib"] + "\n")
-        _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-             cwd=work)
+        _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q", wheel], cwd=work)
         yield wheel, python, site, work
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -93,3 +102,69 @@ def test_installed_package_reports_and_builds_from_its_own_sources(installed):
     assert next(op for op in after["ops"] if op["name"] == "ds_odc_atomics")["built"], after["ops"]
     text = _run([python, "-m", "ds_odc", "report"], cwd=outside, env=env)
     assert f"operator sources ...... {os.path.join(package, 'ops', 'csrc')}" in text, text
+    for lib in ("deepspeed", "transformers", "accelerate"):  # each found, and whether it is in its tested range
+        assert "in the tested range" in before["versions"][lib], before["versions"]
+
+
+def test_sdist_carries_what_a_build_needs_and_builds_the_same_wheel(installed):
+    wheel, _, _, work = installed
+    dist = os.path.dirname(wheel)
+    (sdist,) = [os.path.join(dist, f) for f in os.listdir(dist) if f.endswith(".tar.gz")]
+    names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
+    assert {"LICENSE", "pyproject.toml", "setup.py", "ds_odc_autoload.py", "ds_odc/__init__.py",
+            "ops/csrc/odc_atomics.cpp"} <= names, sorted(names)
+    from_sdist = os.path.join(work, "from_sdist")
+    _run([sys.executable, "-m", "pip", "wheel", sdist, "--no-deps", "--no-build-isolation", "--no-index", "-q",
+          "-w", from_sdist], cwd=work)
+    (rebuilt,) = os.listdir(from_sdist)
+    assert rebuilt == os.path.basename(wheel)
+    assert sorted(zipfile.ZipFile(os.path.join(from_sdist, rebuilt)).namelist()) == \
+        sorted(zipfile.ZipFile(wheel).namelist())
+
+
+def test_wheel_metadata_declares_the_ranges_and_the_license(installed):
+    wheel, *_ = installed
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = archive.read(name).decode()
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in archive.namelist())
+    assert "License-Expression: Apache-2.0" in metadata
+    low, high = DEEPSPEED_RANGE
+    assert f"Requires-Dist: deepspeed<={high},>={low}" in metadata, metadata[:3000]
+
+
+TRAIN_STEP = """
+import json, os
+import deepspeed, torch  # no `import ds_odc`: the installed autoload .pth registers the odc stage
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": "odc"},
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+torch.manual_seed(1 + engine.global_rank)
+loss = engine(torch.randn(2, 8)).pow(2).mean()
+engine.backward(loss)
+engine.step()
+import ds_odc
+if engine.global_rank == 0:
+    print("RESULT " + json.dumps({"engine": type(engine).__name__, "steps": engine.global_steps,
+                                  "ds_odc": ds_odc.__file__, "world": engine.world_size, "loss": float(loss)}))
+engine.destroy()
+"""
+
+
+def test_installed_wheel_trains_two_ranks_from_outside_the_checkout(installed):
+    _, python, site, work = installed
+    outside = os.path.join(work, "job")
+    os.makedirs(outside, exist_ok=True)
+    with open(os.path.join(outside, "train_step.py"), "w") as script:
+        script.write(TRAIN_STEP)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_ODC_AUTOLOAD", "DS_ODC_STAGE3")}
+    # the caller's operator cache (DeepSpeed's CPU comm op is built there already: ~50 s in a fresh one)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    output = _run([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                   "train_step.py"], cwd=outside, env=env, timeout=240)
+    (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["engine"] == "ODCEngine" and result["steps"] == 1 and result["world"] == 2, result
+    assert result["ds_odc"].startswith(os.path.join(site, "ds_odc") + os.sep), result

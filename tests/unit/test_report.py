@@ -36,11 +36,25 @@ def test_report_names_the_versions_of_everything_ds_odc_runs_with(report):
 
     assert data["versions"]["ds_odc"].startswith(ds_odc.__version__)
     assert data["versions"]["torch"].startswith(torch.__version__)
-    assert data["versions"]["deepspeed"] == deepspeed.__version__
+    assert data["versions"]["deepspeed"] == f"{deepspeed.__version__} (in the tested range, 0.18.0 to 0.19.8)"
     for package in ("transformers", "accelerate"):
         assert package in data["versions"]
         assert f"{package} " in text
-    assert f"deepspeed ............. {deepspeed.__version__}" in text
+    assert f"deepspeed ............. {deepspeed.__version__} (in the tested range" in text
+
+
+@pytest.mark.parametrize("package, version, inside", [
+    ("deepspeed", "0.18.0", True), ("deepspeed", "0.19.8+cu130", True), ("deepspeed", "0.17.6", False),
+    ("transformers", "4.57.1", True), ("transformers", "5.23.0", True), ("transformers", "4.56.2", False),
+    ("transformers", "5.24.0", False), ("accelerate", "1.11.0", True), ("accelerate", "1.16.0", False),
+])
+def test_report_says_whether_each_release_is_in_the_tested_range(package, version, inside):
+    from ds_odc.report import range_note
+
+    note = range_note(package, version)
+    assert note.startswith("in the tested range" if inside else "OUTSIDE the tested range"), note
+    if not inside:
+        assert ("refused at import" if package == "deepspeed" else "warns") in note
 
 
 def test_report_says_which_transports_work_here_and_why(report):

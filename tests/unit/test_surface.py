@@ -5,14 +5,17 @@ import re
 import subprocess
 import sys
 
+import deepspeed
 import deepspeed.runtime.engine as ds_engine
 import deepspeed.runtime.zero.partitioned_param_coordinator as ds_coordinator
 import deepspeed.runtime.zero.stage3 as ds_stage3
 import pytest
+from packaging.version import Version
 
-from ds_odc.integration import register, surface
-from ds_odc.integration.surface import SURFACE, Kind, PrivateName, assert_surface, check_surface
-from ds_odc.integration.versions import SUPPORTED_DEEPSPEED
+from ds_odc.integration import register, surface, surface_table
+from ds_odc.integration.surface import SURFACE, Kind, PrivateName, applies, assert_surface, check_surface, has
+from ds_odc.integration.surface_table import CHANGES, Change
+from ds_odc.integration.versions import DEEPSPEED_RANGE, TESTED_HF, check_deepspeed_version, supported_deepspeed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = "tests/unit/test_surface.py"  # the user named by the entries these tests make up
@@ -36,8 +39,11 @@ def test_every_accelerate_and_transformers_entry_is_found_on_the_pinned_releases
 
 
 def test_importing_ds_odc_checks_no_hf_name_and_imports_neither_hf_library():
-    code = ("import sys, ds_odc\n"
-            "assert not {'transformers', 'accelerate'} & set(sys.modules), sorted(sys.modules)\n")
+    # DeepSpeed before 0.19.8 imports transformers itself (deepspeed.linear, when it is installed): not ds_odc's
+    code = ("import sys, deepspeed\n"
+            "hf = {'transformers', 'accelerate'}; by_deepspeed = hf & set(sys.modules)\n"
+            "import ds_odc\n"
+            "assert hf & set(sys.modules) <= by_deepspeed, sorted(sys.modules)\n")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_ODC_AUTOLOAD": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -66,18 +72,18 @@ def test_a_removed_method_or_module_attribute_is_reported_by_name(monkeypatch, o
         assert_surface()
     message = str(raised.value)
     assert f"{_entry(name).owner}.{name}: needed by {_entry(name).used_by}" in message
-    assert f"deepspeed=={SUPPORTED_DEEPSPEED}" in message and "ds_odc/integration/surface_table.py" in message
+    assert f"deepspeed{supported_deepspeed()}" in message and "ds_odc/integration/surface_table.py" in message
 
 
 def test_every_missing_name_is_listed_in_one_error(monkeypatch):
     monkeypatch.delattr(ds_stage3.DeepSpeedZeroOptimizer_Stage3, "_post_step")
-    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_backward_post_hook")
+    monkeypatch.delattr(ds_engine.DeepSpeedEngine, "_backward_epilogue")  # names every supported release has
     monkeypatch.delattr(ds_coordinator, "assert_ints_same_as_other_ranks")
     with pytest.raises(ImportError) as raised:
         assert_surface()
     message = str(raised.value)
     assert "3 private name(s)" in message
-    for name in ("_post_step", "_backward_post_hook", "assert_ints_same_as_other_ranks"):
+    for name in ("_post_step", "_backward_epilogue", "assert_ints_same_as_other_ranks"):
         assert name in message
 
 
@@ -214,7 +220,11 @@ def test_every_entry_names_the_ds_odc_files_that_use_it():
     for entry in SURFACE:
         for path in entry.used_by.split(", "):
             text = sources.get(path, "")
-            word = re.escape(entry.name) if entry.kind is Kind.FILE_NAME else rf"(?<!\w){re.escape(entry.name)}(?!\w)"
+            if entry.kind is Kind.SOURCE_TEXT:  # a release's code, not a name: the file acts on the change
+                word = rf"\b{(entry.before or entry.since).key}\b"
+            else:
+                word = re.escape(entry.name) if entry.kind is Kind.FILE_NAME else \
+                    rf"(?<!\w){re.escape(entry.name)}(?!\w)"
             if not re.search(word, text):
                 stale.append(f"{entry.describe()} not in {path}")
     assert not stale, "update SURFACE in ds_odc/integration/surface_table.py:\n" + "\n".join(stale)
@@ -224,5 +234,63 @@ def test_entries_are_unique_and_source_checks_say_where_to_look():
     keys = [(e.owner, e.name, e.kind, e.found_in) for e in SURFACE]
     assert len(keys) == len(set(keys))
     needs_source = {Kind.INSTANCE_ATTRIBUTE, Kind.PARAMETER_ATTRIBUTE, Kind.CALL_TIME_LOOKUP, Kind.CHECKPOINT_KEY,
-                    Kind.FILE_NAME}
+                    Kind.FILE_NAME, Kind.SOURCE_TEXT}
     assert all((e.found_in is not None) == (e.kind in needs_source) for e in SURFACE)
+
+
+# -- per release: each supported DeepSpeed release is held to its own form ------------------------------------
+def test_every_change_is_inside_the_range_named_by_its_constant_and_has_entries():
+    ranges = {"deepspeed": DEEPSPEED_RANGE, **TESTED_HF}
+    for change in CHANGES:
+        assert getattr(surface_table, change.key) is change
+        low, high = (Version(v) for v in ranges[change.package])
+        assert low < Version(change.release) <= high, change
+        assert [e for e in SURFACE if change in (e.since, e.before)], f"{change.key}: no entry says what changed"
+    assert all(e.since in CHANGES + (None,) and e.before in CHANGES + (None,) for e in SURFACE)
+
+
+def test_an_entry_holds_from_or_before_the_release_of_its_change():
+    change = Change("X", "0.19.4", "newer", "older")
+    newer = PrivateName("deepspeed", None, "x", Kind.MODULE_ATTRIBUTE, HERE, "test", since=change)
+    older = PrivateName("deepspeed", None, "x", Kind.MODULE_ATTRIBUTE, HERE, "test", before=change)
+    for version, is_newer in (("0.19.3", False), ("0.19.4", True), ("0.19.4+cu130", True), ("0.19.8", True),
+                              ("0.18.0", False)):
+        assert has(change, version) is is_newer
+        assert applies(newer, version) is is_newer and applies(older, version) is not is_newer
+    assert newer.releases == "deepspeed>=0.19.4" and older.releases == "deepspeed<0.19.4"
+
+
+def test_each_release_is_held_to_its_own_form(monkeypatch):
+    """The installed DeepSpeed as if it were a release on the other side of NORM_DTYPE: the other side's forms
+    are looked for, and those it does not have are reported (named with the releases they hold for); the
+    installed side's forms are not looked for."""
+    newer = has(surface_table.NORM_DTYPE)
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0" if newer else DEEPSPEED_RANGE[1])
+    missing = check_surface()
+    assert missing and all((e.before if newer else e.since) is not None for e in missing), \
+        [e.describe() for e in missing]
+    names = {e.name for e in missing}
+    if newer:  # 0.19.6+: sums in get_norm_dtype(); 0.19.3+: the checkpoint keys moved
+        assert ".double().norm(2)" in names
+        assert "as deepspeed<0.19.6 has it" in surface.format_missing(missing)
+    else:
+        assert "get_norm_dtype" in names
+        assert "as deepspeed>=0.19.6 has it" in surface.format_missing(missing)
+
+
+@pytest.mark.parametrize("version", ["0.18.0", "0.18.9", "0.19.0", "0.19.6", "0.19.8", "0.19.8+cu130"])
+def test_releases_in_the_range_pass_the_version_check(version):
+    check_deepspeed_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.17.6", "0.16.9", "0.19.9", "0.20.0"])
+def test_a_release_outside_the_range_is_refused_by_name(version):
+    with pytest.raises(ImportError, match=rf"needs deepspeed>=0\.18\.0,<=0\.19\.8 .*found {re.escape(version)}"):
+        check_deepspeed_version(version)
+
+
+def test_registering_ds_odc_refuses_a_release_outside_the_range(monkeypatch):
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    monkeypatch.setattr(surface, "check_surface", lambda include_hf=False: [])  # as if every name were there
+    with pytest.raises(ImportError, match="found 0.20.0"):
+        register()

@@ -1,0 +1,241 @@
+"""The releases ds_odc declares, each tested against its own ZeRO-3: a virtual environment per stack, then
+subsets of the test suite run in it.
+
+Opt-in (CI does not run it: it installs DeepSpeed releases). One stack per DeepSpeed release at the edges of
+the declared range and where its private names change (0.18.0, the newest 0.18 patch, 0.19.0, 0.19.6, 0.19.8), each
+with the newest transformers and accelerate; then the two ends of the transformers / accelerate range on
+DeepSpeed 0.19.8; then a release below the range, which must be refused at ``import ds_odc``. Every
+environment is made the way a user makes one: torch 2.13.0 first, held there by a constraints file (a
+package that asks for another torch fails to install instead of downloading one), then the stack's pins,
+then ds_odc from this checkout through pip's resolver (so its declared ranges must admit the stack). The
+runs put this checkout first on ``PYTHONPATH``: they test this checkout even in an environment built from
+another one. Each subset is run against that release's own ZeRO-3: the parity, checkpoint and Trainer tests
+run ZeRO-3 and ODC side by side in the same environment.
+
+    python tests/compat/run_version_matrix.py                       # set up what is missing, run everything
+    python tests/compat/run_version_matrix.py --only 0.18.9 --subset parity
+    python tests/compat/run_version_matrix.py --setup-only
+
+Prints a markdown table (stacks by subsets, passed / failed / skipped counts) with the command and the date,
+for docs/frameworks.md. Exits 1 if any cell fails.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKOUT = os.path.dirname(os.path.dirname(HERE))
+TORCH = "torch==2.13.0"
+TEST_TOOLS = ["pytest>=8", "hypothesis==6.170.15"]
+
+#: subset -> the test files it runs (from the checkout root). Each compares ODC with ZeRO-3 or one process.
+SUBSETS = {
+    "surface": ["tests/unit/test_surface.py", "tests/unit/test_hf_versions.py"],
+    "parity": ["tests/distributed/test_parity.py"],
+    "uneven counts": ["tests/distributed/test_uneven.py"],
+    "checkpoint": ["tests/distributed/test_checkpoint.py"],
+    "frozen engines": ["tests/distributed/test_frozen_engines.py"],
+    "HF Trainer": ["tests/distributed/test_hf_trainer.py"],
+}
+DEEPSPEED_SUBSETS = list(SUBSETS)
+HF_SUBSETS = ["surface", "HF Trainer"]
+REFUSED = "refused at import"
+
+
+@dataclass
+class Stack:
+    """One environment: its pins (besides torch and the test tools) and the subsets run in it."""
+    name: str
+    deepspeed: str
+    transformers: str
+    accelerate: str
+    subsets: list = field(default_factory=lambda: list(DEEPSPEED_SUBSETS))
+
+    @property
+    def pins(self) -> list:
+        return [f"deepspeed=={self.deepspeed}", f"transformers=={self.transformers}",
+                f"accelerate=={self.accelerate}", *TEST_TOOLS]
+
+    @property
+    def venv_name(self) -> str:
+        return f"ds{self.deepspeed}-tf{self.transformers}-acc{self.accelerate}"
+
+    def spec(self) -> dict:
+        return {"torch": TORCH, "pins": self.pins, "installs_ds_odc": self.installs_ds_odc}
+
+    @property
+    def installs_ds_odc(self) -> bool:
+        """A release below the range cannot have ds_odc installed beside it: pip refuses, which is the point."""
+        return REFUSED not in self.subsets
+
+
+NEWEST_TF, NEWEST_ACC = "5.23.0", "1.15.0"
+OLDEST_TF, OLDEST_ACC = "4.57.1", "1.11.0"
+STACKS = [
+    Stack("deepspeed 0.18.0 (oldest)", "0.18.0", NEWEST_TF, NEWEST_ACC),
+    Stack("deepspeed 0.18.9 (newest 0.18)", "0.18.9", NEWEST_TF, NEWEST_ACC),
+    Stack("deepspeed 0.19.0", "0.19.0", NEWEST_TF, NEWEST_ACC),
+    Stack("deepspeed 0.19.6 (OpenRLHF 0.11.2's pin)", "0.19.6", NEWEST_TF, NEWEST_ACC),
+    Stack("deepspeed 0.19.8", "0.19.8", NEWEST_TF, NEWEST_ACC),
+    Stack(f"transformers {OLDEST_TF} + accelerate {OLDEST_ACC} (oldest)", "0.19.8", OLDEST_TF, OLDEST_ACC,
+          list(HF_SUBSETS)),
+    Stack(f"transformers {NEWEST_TF} + accelerate {NEWEST_ACC} (newest)", "0.19.8", NEWEST_TF, NEWEST_ACC,
+          list(HF_SUBSETS)),
+    Stack("deepspeed 0.17.6 (below the range)", "0.17.6", NEWEST_TF, NEWEST_ACC, [REFUSED]),
+]
+
+
+# -- environments ---------------------------------------------------------------------------------------
+def _pip(python: str, *args: str) -> None:
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True)
+
+
+def ensure_env(stack: Stack, root: str) -> str:
+    """The venv's python, building the venv when its recorded spec differs from ``stack.spec()``."""
+    path = os.path.join(root, stack.venv_name)
+    python, stamp = os.path.join(path, "bin", "python"), os.path.join(path, "ds_odc_matrix.json")
+    if os.path.exists(stamp):
+        with open(stamp) as handle:
+            if json.load(handle) == stack.spec():
+                return python
+    print(f"setting up {path}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", path], check=True)
+    constraints = os.path.join(path, "constraints.txt")
+    with open(constraints, "w") as handle:
+        handle.write(TORCH + "\n")
+    _pip(python, "--upgrade", "pip", "setuptools", "wheel")
+    _pip(python, TORCH)
+    # DeepSpeed builds against the installed torch: without build isolation (an isolated build pulls a torch)
+    _pip(python, "-c", constraints, "--no-build-isolation", *stack.pins)
+    if stack.installs_ds_odc:
+        _pip(python, "-c", constraints, "--no-build-isolation", "-e", CHECKOUT)
+    with open(stamp, "w") as handle:
+        json.dump(stack.spec(), handle)
+    return python
+
+
+def _env(python: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ODC_STAGE3", "DS_ODC_OPTIONS")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=CHECKOUT, HF_HUB_OFFLINE="1",
+               TORCH_EXTENSIONS_DIR=os.path.join(os.path.dirname(os.path.dirname(python)), "torch_extensions"))
+    return env
+
+
+def installed(python: str) -> dict:
+    """The releases the environment really has (the resolver may have moved a pin's neighbours)."""
+    code = ("import importlib.metadata as m, json\n"
+            "print(json.dumps({p: m.version(p) for p in ('torch', 'deepspeed', 'transformers', 'accelerate')}))")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+# -- one cell -------------------------------------------------------------------------------------------
+def run_subset(python: str, subset: str, work: str, timeout_s: int) -> dict:
+    report = os.path.join(work, "junit.xml")
+    if os.path.exists(report):
+        os.remove(report)
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}", *SUBSETS[subset]]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=CHECKOUT, env=_env(python), capture_output=True, text=True, timeout=timeout_s)
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        code, output = "timeout", str(err.stdout or "")
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if os.path.exists(report):
+        suite = ET.parse(report).getroot()
+        suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+        total = int(suite.get("tests", 0))
+        counts["failed"] = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        counts["skipped"] = int(suite.get("skipped", 0))
+        counts["passed"] = total - counts["failed"] - counts["skipped"]
+    ok = code == 0 and counts["passed"] > 0 and counts["failed"] == 0
+    return {**counts, "ok": ok, "code": code, "wall_s": time.monotonic() - started,
+            "tail": "" if ok else output[-3000:]}
+
+
+def check_refused(python: str) -> dict:
+    """``import ds_odc`` from this checkout must raise ImportError naming the declared range."""
+    from_checkout = "import sys; sys.path.insert(0, sys.argv[1]); import ds_odc"
+    started = time.monotonic()
+    done = subprocess.run([python, "-c", from_checkout, CHECKOUT], capture_output=True, text=True,
+                          env={**_env(python), "DS_ODC_AUTOLOAD": "0"}, timeout=300)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    ok = done.returncode != 0 and "ImportError" in done.stderr and "deepspeed>=" in done.stderr
+    return {"passed": int(ok), "failed": int(not ok), "skipped": 0, "ok": ok, "code": done.returncode,
+            "wall_s": time.monotonic() - started, "tail": last if ok else done.stderr[-3000:], "message": last}
+
+
+def cell(result: dict | None) -> str:
+    if result is None:
+        return "-"
+    counts = f"{result['passed']} passed" + (f", {result['failed']} failed" if result["failed"] else "") + \
+        (f", {result['skipped']} skipped" if result["skipped"] else "")
+    return f"{'pass' if result['ok'] else 'FAIL'} ({counts})"
+
+
+def table(rows: list, subsets: list) -> str:
+    lines = ["| stack | deepspeed / transformers / accelerate | " + " | ".join(subsets) + " |",
+             "|" + " --- |" * (len(subsets) + 2)]
+    for stack, versions, results in rows:
+        found = f"{versions['deepspeed']} / {versions['transformers']} / {versions['accelerate']}"
+        lines.append(f"| {stack.name} | {found} | " + " | ".join(cell(results.get(s)) for s in subsets) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv-root", default=os.path.expanduser("~/.cache/ds_odc_matrix"),
+                        help="where the per-stack virtual environments live (outside the checkout)")
+    parser.add_argument("--only", action="append", default=[], help="stacks whose name contains this (repeatable)")
+    parser.add_argument("--subset", action="append", default=[], choices=[*SUBSETS, REFUSED],
+                        help="run only these subsets (repeatable)")
+    parser.add_argument("--timeout-s", type=int, default=1200, help="bound on one subset's pytest run")
+    parser.add_argument("--setup-only", action="store_true", help="build the environments and stop")
+    args = parser.parse_args(argv)
+    stacks = [s for s in STACKS if not args.only or any(o in s.name for o in args.only)]
+    pythons = {stack.name: ensure_env(stack, args.venv_root) for stack in stacks}
+    if args.setup_only:
+        return 0
+    started = datetime.datetime.now(datetime.timezone.utc)
+    rows, cache = [], {}  # (venv, subset) -> result: two stacks on one environment run a subset once
+    with tempfile.TemporaryDirectory(prefix="ds_odc_matrix_") as work:
+        for stack in stacks:
+            python, results = pythons[stack.name], {}
+            for subset in stack.subsets:
+                if args.subset and subset not in args.subset:
+                    continue
+                key = (stack.venv_name, subset)
+                if key not in cache:
+                    cache[key] = check_refused(python) if subset == REFUSED else \
+                        run_subset(python, subset, work, args.timeout_s)
+                results[subset] = result = cache[key]
+                print(f"{stack.name} / {subset}: {cell(result)} in {result['wall_s']:.0f} s", flush=True)
+                if result.get("message"):
+                    print(f"    {result['message']}", flush=True)
+                if not result["ok"]:
+                    print(result["tail"], flush=True)
+            rows.append((stack, installed(python), results))
+    subsets = [s for s in [*SUBSETS, REFUSED] if any(s in results for _, _, results in rows)]
+    command = " ".join(["python", "tests/compat/run_version_matrix.py", *map(shlex.quote, argv or sys.argv[1:])])
+    print(f"\n`{command}`, {started:%Y-%m-%d}, Python {platform.python_version()}, {TORCH}, CPU (gloo, 2 ranks)\n")
+    print(table(rows, subsets))
+    failed = [(stack.name, s) for stack, _, results in rows for s, r in results.items() if not r["ok"]]
+    print(f"\n{sum(len(r) for _, _, r in rows) - len(failed)} of {sum(len(r) for _, _, r in rows)} cells pass"
+          + (f"; failing: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
