@@ -14,8 +14,9 @@ A training engine whose ``zero_optimization.odc.balance.policy`` is ``"lb-mini-s
   original for a whole micro-batch and, inside a split micro-batch, DeepSpeed's Ulysses attention
   (``UlyssesSPAttentionHF``, one per group this rank belongs to) over that micro-batch's group. The
   all-to-alls are DeepSpeed's, on those process groups (why not one-sided through ODC's windows:
-  docs/balancing.md). Samples packed into one split micro-batch attend each within itself
-  (:func:`per_sample`), as they do whole.
+  docs/balancing.md). Samples packed into one micro-batch, split or whole, attend each within itself
+  (:func:`per_sample`: a sample's attention costs its own length squared; transformers' sdpa would mask a
+  whole packed micro-batch densely and compute its total length squared, 3.5x the time for four ~1K samples).
 * **Heads.** Ulysses needs the query heads to divide by the group and the key/value heads to divide it or by
   it: a ``max_group`` the model's heads do not allow is refused by name
   (:func:`~ds_odc.balance.split_plan.max_group_for_heads`).
@@ -108,6 +109,11 @@ def per_sample(core: Callable) -> Callable:
     return attention
 
 
+def _packed(positions) -> bool:
+    """Whether one sequence's ``position_ids`` restart after its first token (several samples packed)."""
+    return positions is not None and positions.shape[0] == 1 and bool((positions[0, 1:] == 0).any())
+
+
 class SplitRuntime:
     """This rank's groups, its Ulysses attention per group, the attention hook and the lockstep."""
 
@@ -151,9 +157,13 @@ class SplitRuntime:
         self.patches.replace_item(ALL_ATTENTION_FUNCTIONS, self.shape.implementation, self._dispatcher)
 
     def _dispatcher(self, core: Callable) -> Callable:
+        separate = per_sample(core)
+
         def attend(module, query, key, value, attention_mask, *args, **kwargs):
             ulysses = self.active
-            if ulysses is None:
+            if ulysses is None:  # a whole micro-batch: packed samples, each within itself, as in a split one
+                if query.shape[0] == 1 and _packed(kwargs.get("position_ids")):
+                    return separate(module, query, key, value, None, *args, **kwargs)
                 return core(module, query, key, value, attention_mask, *args, **kwargs)
             if query.shape[0] != 1:
                 raise ODCConfigError(f"a split micro-batch holds {query.shape[0]} sequences: pack its samples into "

@@ -309,3 +309,43 @@ def test_slots_carry_each_entry_and_cut_split_micro_batches_to_the_rank_slice():
     assert cut == [e for e in entries if e.split] and cut  # rank 1 is in a split micro-batch here
     first = slots[[bool(s.entries) for s in slots].index(True)]
     assert first.micro_batches[0][0] == "slice" and first.micro_batches[0][1] == [100 + i for i in cut[0].samples]
+
+
+def test_a_split_forward_whose_backward_runs_outside_the_micro_batch_is_refused():
+    """Checkpointed layers recompute their attention in backward: over the split micro-batch's group only if the
+    backward runs inside ``engine.odc_micro_batch(entry)``."""
+    import types
+
+    from ds_odc.errors import ODCError
+    from ds_odc.integration.split_attention import SplitRuntime
+
+    lockstep = types.SimpleNamespace(entry=types.SimpleNamespace(sequence=3))
+    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), 2, 4, 0, 4, lockstep)
+    split.note_forward(training=True)
+    split.check_backward()  # inside: fine
+    split.note_forward(training=True)
+    lockstep.entry = None
+    with pytest.raises(ODCError, match="the backward of split micro-batch 3 ran outside engine.odc_micro_batch"):
+        split.check_backward()
+    split.note_forward(training=True)  # a whole micro-batch's forward, and a frozen model's, are free
+    split.check_backward()
+
+
+def test_the_dispatcher_runs_packed_whole_micro_batches_per_sample_and_the_rest_as_the_original():
+    from ds_odc.integration.split_attention import SplitRuntime
+
+    calls = []
+
+    def core(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((query.shape[2], attention_mask))
+        return query.transpose(1, 2), None
+
+    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), 2, 4, 0, 4, lockstep=None)
+    attend = split._dispatcher(core)
+    q = torch.zeros(1, 4, 7, 8)
+    attend(None, q, q, q, "mask", position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+    assert calls == [(3, None), (4, None)]
+    calls.clear()
+    attend(None, q, q, q, "mask", position_ids=torch.arange(7)[None])
+    attend(None, torch.zeros(2, 4, 7, 8), q, q, "mask", position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2))
+    assert calls == [(7, "mask"), (7, "mask")]
