@@ -3,7 +3,7 @@
 The machines this project measures on are shared and noisy, so a speed claim is a ratio of medians of
 alternating runs, never one run against another. Each run is a whole process (start-up included); a
 command that prints a JSON line with a ``"samples_per_s"`` (or ``--figure NAME``) is also compared on
-that figure, which excludes start-up.
+that figure, which excludes start-up (``--figure`` again for more figures).
 
     python benchmarks/paired.py -n 3 \\
         --a ".venv/bin/python benchmarks/sequence_parallel.py --method odc-lb-mini" \\
@@ -57,28 +57,34 @@ def main(argv=None) -> int:
     parser.add_argument("--a", required=True, help="command A (the change)")
     parser.add_argument("--b", required=True, help="command B (the baseline)")
     parser.add_argument("-n", type=int, default=3, help="runs of each, alternating A, B, A, B, ...")
-    parser.add_argument("--figure", default="samples_per_s", help="a figure the commands print as JSON")
+    parser.add_argument("--figure", action="append",
+                        help="a figure the commands print as JSON (repeat for several; default samples_per_s)")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args(argv)
+    names = args.figure or ["samples_per_s"]
     walls: dict = {"A": [], "B": []}
-    figures: dict = {"A": [], "B": []}
+    figures: dict = {(label, name): [] for label in ("A", "B") for name in names}
     for i in range(args.n):
         for label, command in (("A", args.a), ("B", args.b)):
             wall, output = run_once(command, args.timeout_s)
-            figure = last_json_figure(output, args.figure)
             walls[label].append(wall)
-            if figure is not None:
-                figures[label].append(figure)
-            print(f"run {i + 1} {label}: wall {wall:.2f} s" + (f", {args.figure} {figure:.3f}" if figure else ""),
-                  flush=True)
+            line = f"run {i + 1} {label}: wall {wall:.2f} s"
+            for name in names:
+                figure = last_json_figure(output, name)
+                if figure is not None:
+                    figures[(label, name)].append(figure)
+                    line += f", {name} {figure:.3f}"
+            print(line, flush=True)
     for label in ("A", "B"):
         print(summary(f"{label} wall s", walls[label]))
-        if figures[label]:
-            print(summary(f"{label} {args.figure}", figures[label]))
+        for name in names:
+            if figures[(label, name)]:
+                print(summary(f"{label} {name}", figures[(label, name)]))
     print(f"A / B wall (medians): {statistics.median(walls['A']) / statistics.median(walls['B']):.3f}")
-    if figures["A"] and figures["B"]:
-        ratio = statistics.median(figures["A"]) / statistics.median(figures["B"])
-        print(f"A / B {args.figure} (medians): {ratio:.3f}")
+    for name in names:
+        if figures[("A", name)] and figures[("B", name)]:
+            ratio = statistics.median(figures[("A", name)]) / statistics.median(figures[("B", name)])
+            print(f"A / B {name} (medians): {ratio:.3f}")
     return 0
 
 
