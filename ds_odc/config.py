@@ -63,10 +63,12 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    policy: Literal["lb-mini", "lb-micro"] = "lb-mini"
+    policy: Literal["lb-mini", "lb-micro", "lb-mini-split"] = "lb-mini"
     """"lb-mini": each rank gets an equal share of the step's compute and runs it as its own number of
     micro-batches (zero allowed). "lb-micro": every rank runs the same number of micro-batches, balanced
-    index by index (the equal-count baseline). Default "lb-mini"."""
+    index by index (the equal-count baseline). "lb-mini-split": as "lb-mini", but a long sample may run
+    split over an aligned group of ranks with Ulysses attention (groups chosen per step, up to max_group;
+    packed micro-batches, per-token loss; docs/balancing.md). Default "lb-mini"."""
 
     token_cap: Annotated[int, Field(ge=1)]
     """Most tokens in one micro-batch, as the data collator produces it (a padded micro-batch counts its
@@ -87,6 +89,25 @@ class BalanceConfig(BaseModel):
 
     length_key: str = "input_ids"
     """The field of a dataset item whose length is the sample's token count. Default "input_ids"."""
+
+    max_group: Optional[Literal[2, 4, 8]] = None
+    """With "lb-mini-split": the most ranks one sample is split over (2, 4 or 8; groups are aligned blocks inside
+    a node). The model's heads must allow it (query heads divisible by it, key/value heads dividing it or
+    divisible by it): initialize refuses a group they do not allow, naming the heads. Default null: the largest
+    the heads allow, at most 8. Only with "lb-mini-split"."""
+
+    min_chunk_tokens: Annotated[int, Field(ge=1)] = 2048
+    """With "lb-mini-split": the fewest tokens each member of a split micro-batch holds, so no sample shorter than
+    twice this is split on its own. Default 2048; at least 1. Only with "lb-mini-split"."""
+
+    @field_validator("max_group", "min_chunk_tokens")
+    @classmethod
+    def _split_only(cls, value, info):
+        policy = info.data.get("policy")
+        default = cls.model_fields[info.field_name].default
+        if value != default and policy != "lb-mini-split":
+            raise ValueError(f"only with policy 'lb-mini-split' (policy is {policy!r})")
+        return value
 
 
 class ActivationOffloadConfig(BaseModel):

@@ -21,6 +21,24 @@ Under Ulysses sequence parallelism pass ``sequence_parallel_size``: the plan is 
 ``world_size // sequence_parallel_size`` groups are its replicas, ``token_cap`` is per group), and every
 rank of a group yields the same micro-batches of full sequences, each rank then taking its own slice of
 each sequence (the ranks of one SP group must run the same micro-batches: :mod:`ds_odc.runtime.lockstep`).
+
+Under the split policy (``policy="lb-mini-split"``, :func:`~ds_odc.balance.split.plan_split`) a long sample
+may run over an aligned group of ranks: every member yields the whole packed micro-batch, and the loop runs
+each entry of the rank's list inside ``engine.odc_micro_batch(entry)`` on its slice. :meth:`planned_steps`
+gives each micro-batch with its entry (``MicroBatch``: ``ranks``, ``sequence``, ``part(rank)``)::
+
+    sampler = BalancedBatchSampler(lengths, samples_per_rank=1, token_cap=65536, policy="lb-mini-split",
+                                   max_group=2)
+    for step_batches in sampler.planned_steps(loader):
+        for entry, batch in step_batches:                 # split ones first, in the plan's order
+            part = split_batch(batch, entry, rank)        # ds_odc.integration.split_attention
+            with engine.odc_micro_batch(entry):
+                loss, tokens = loss_sum(engine, part)     # over part["shift_labels"]
+                engine.backward(loss, loss_tokens=tokens)
+        engine.step()
+
+The engine needs the same policy in its ds_config's balance block (it creates the groups at initialize),
+with a ``max_group`` at least the sampler's.
 """
 from __future__ import annotations
 
@@ -31,20 +49,33 @@ from torch.utils.data import Sampler
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.planner import POLICIES, Plan, plan_minibatch
+from ds_odc.balance.split import plan_split
+from ds_odc.balance.split_cost import AllToAllCost
+from ds_odc.balance.split_plan import SPLIT_POLICY, MicroBatch, SplitPlan
 from ds_odc.errors import ODCError
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
-    """Yields this rank's micro-batches, step after step, for one epoch (call :meth:`set_epoch`)."""
+    """Yields this rank's micro-batches, step after step, for one epoch (call :meth:`set_epoch`).
+
+    The split policy's own arguments (:func:`~ds_odc.balance.split.plan_split`): ``max_group`` (the most ranks a
+    sample is split over, 2, 4 or 8), ``node_size`` (ranks per node; default: the launcher's
+    ``LOCAL_WORLD_SIZE``, else the world), ``all_to_all`` (Ulysses' cost, in the cost model's unit),
+    ``min_chunk_tokens`` and ``min_gain``."""
 
     def __init__(self, lengths: Sequence[int], *, samples_per_rank: int, token_cap: int,
                  policy: str = "lb-mini", cost_model: CostModel | None = None, world_size: int | None = None,
                  rank: int | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 sequence_parallel_size: int = 1):
-        if policy not in POLICIES:
-            raise ODCError(f"unknown balancing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+                 sequence_parallel_size: int = 1, max_group: int = 8, node_size: int | None = None,
+                 all_to_all: AllToAllCost | None = None, min_chunk_tokens: int = 2048, min_gain: float = 0.01):
+        if policy not in (*POLICIES, SPLIT_POLICY):
+            raise ODCError(f"unknown balancing policy {policy!r}; choose one of {', '.join((*POLICIES, SPLIT_POLICY))}")
         if samples_per_rank < 1:
             raise ODCError(f"samples_per_rank must be >= 1, got {samples_per_rank}")
+        if policy == SPLIT_POLICY and sequence_parallel_size != 1:
+            raise ODCError(f"BalancedBatchSampler: policy {SPLIT_POLICY!r} chooses its sequence-parallel groups "
+                           f"per micro-batch; sequence_parallel_size={sequence_parallel_size} (fixed groups) cannot "
+                           "go with it")
         world_size, rank = _world_and_rank(world_size, rank)
         world_size, rank = _sp_groups(world_size, rank, sequence_parallel_size)
         self.lengths = [int(s) for s in lengths]
@@ -52,13 +83,15 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.cost_model = cost_model or CostModel.tokens()
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.shuffle, self.drop_last = shuffle, drop_last
+        self.all_to_all, self.max_group, self.node_size = all_to_all, max_group, node_size or _node_size(world_size)
+        self.min_chunk_tokens, self.min_gain = min_chunk_tokens, min_gain
         self.epoch = 0
-        self._plans: list[tuple[Plan, list[int]]] | None = None
+        self._plans: list[tuple[Plan | SplitPlan, list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._plans = epoch, None
 
-    def plans(self) -> list[tuple[Plan, list[int]]]:
+    def plans(self) -> list[tuple[Plan | SplitPlan, list[int]]]:
         """Every step of the current epoch as (plan, dataset indices of the plan's samples); identical
         on every rank."""
         if self._plans is None:
@@ -70,28 +103,55 @@ class BalancedBatchSampler(Sampler[list[int]]):
             self._plans = []
             for step, start in enumerate(range(0, cut, size)):
                 members = order[start:start + size]
-                plan = plan_minibatch([self.lengths[i] for i in members], self.world_size, self.token_cap,
-                                      self.policy, self.cost_model, seed=self.seed + step)
+                lengths = [self.lengths[i] for i in members]
+                plan: Plan | SplitPlan
+                if self.policy == SPLIT_POLICY:
+                    plan = plan_split(lengths, self.world_size, self.token_cap, self.cost_model, self.all_to_all,
+                                      self.node_size, self.max_group, self.min_chunk_tokens, self.min_gain,
+                                      seed=self.seed + step)
+                else:
+                    plan = plan_minibatch(lengths, self.world_size, self.token_cap, self.policy, self.cost_model,
+                                          seed=self.seed + step)
                 self._plans.append((plan, members))
         return self._plans
 
+    def entries(self) -> list[list[MicroBatch]]:
+        """This rank's list for every step: ``MicroBatch`` entries (samples as indices into the step's minibatch);
+        a whole one runs alone (``ranks == (rank,)``), a split one over its group."""
+        out = []
+        for plan, _ in self.plans():
+            if isinstance(plan, SplitPlan):
+                out.append(plan.for_rank(self.rank))
+            else:
+                out.append([MicroBatch(tuple(batch), (self.rank,)) for batch in plan.micro_batches[self.rank]])
+        return out
+
     def micro_batches_per_step(self) -> list[int]:
-        return [len(plan.micro_batches[self.rank]) for plan, _ in self.plans()]
+        return [len(mine) for mine in self.entries()]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for plan, members in self.plans():
-            for batch in plan.micro_batches[self.rank]:
-                yield [members[i] for i in batch]
+        for (_, members), mine in zip(self.plans(), self.entries()):
+            for entry in mine:
+                yield [members[i] for i in entry.samples]
 
     def __len__(self) -> int:
         return sum(self.micro_batches_per_step())
 
     def group_steps(self, loader: Iterable) -> Iterator[list]:
         """Group what ``loader`` yields (one element per micro-batch of this sampler) into steps."""
+        if self.policy == SPLIT_POLICY:
+            raise ODCError(f"BalancedBatchSampler: under {SPLIT_POLICY!r} a micro-batch may be split over ranks; "
+                           "iterate planned_steps(loader), which gives each micro-batch with its entry")
         counts = iter(self.micro_batches_per_step())
         iterator = iter(loader)
         for count in counts:
             yield [next(iterator) for _ in range(count)]
+
+    def planned_steps(self, loader: Iterable) -> Iterator[list[tuple[MicroBatch, object]]]:
+        """Like :meth:`group_steps`, each micro-batch paired with its entry of this rank's list (any policy)."""
+        iterator = iter(loader)
+        for mine in self.entries():
+            yield [(entry, next(iterator)) for entry in mine]
 
 
 def _sp_groups(world_size: int, rank: int, sequence_parallel_size: int) -> tuple[int, int]:
@@ -100,6 +160,16 @@ def _sp_groups(world_size: int, rank: int, sequence_parallel_size: int) -> tuple
         raise ODCError(f"BalancedBatchSampler: sequence_parallel_size={sequence_parallel_size} must be >= 1 and divide "
                        f"world_size {world_size}")
     return world_size // sequence_parallel_size, rank // sequence_parallel_size
+
+
+def _node_size(world_size: int) -> int:
+    """Ranks per node as the launcher announces them (``LOCAL_WORLD_SIZE``), else the whole world."""
+    import os
+
+    from ds_odc.comm.topology import launcher_topology
+
+    topology = launcher_topology(os.environ)
+    return min(len(topology.nodes[0]), world_size) if topology is not None and topology.nodes else world_size
 
 
 def _world_and_rank(world_size, rank):

@@ -12,7 +12,10 @@ they are; only the code that runs one batch learns to run a slot.
 Slots travel through a torch ``DataLoader`` (and its worker processes) as ordinary batches of
 indices: the batch sampler yields ``[header, (m, i), (m, j), ...]`` (``m`` the micro-batch within the
 rank's plan, ``i`` a dataset index), :class:`SlotDataset` fetches the items, :class:`SlotCollator`
-collates each micro-batch with the user's own collator.
+collates each micro-batch with the user's own collator. Under the split policy (``"lb-mini-split"``)
+``m`` is ``(m, entry)``, the entry of the rank's list (``SplitPlan.for_rank``) the micro-batch runs as:
+every member of a split micro-batch collates the whole packed micro-batch and then takes its slice
+(the collator's ``split_collate``), and the slot carries the entries to the loop that runs them.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from typing import Any, Callable, Sequence
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.planner import Plan, plan_minibatch
+from ds_odc.balance.split import plan_split
+from ds_odc.balance.split_cost import AllToAllCost
+from ds_odc.balance.split_plan import SPLIT_POLICY, MicroBatch, SplitPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +59,14 @@ class BalancedSlot:
 
     header: StepHeader
     micro_batches: list
+    entries: list | None = None  # split policy: the MicroBatch each one runs as (split ones: this rank's slice)
 
     def to(self, device, non_blocking: bool = False) -> "BalancedSlot":
         """Device placement, as data loaders apply it to a batch (each micro-batch moved)."""
         from accelerate.utils import send_to_device
 
         return BalancedSlot(self.header, [send_to_device(b, device, non_blocking=non_blocking)
-                                          for b in self.micro_batches])
+                                          for b in self.micro_batches], self.entries)
 
 
 class SlotDataset:
@@ -84,17 +91,29 @@ class SlotDataset:
 
 
 class SlotCollator:
-    """Collates each micro-batch of a slot with the user's collator."""
+    """Collates each micro-batch of a slot with the user's collator; under the split policy, a split one is
+    then cut to this rank's slice by ``split_collate(batch, entry)``."""
 
-    def __init__(self, collate_fn: Callable[[list], Any]):
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn: Callable[[list], Any],
+                 split_collate: Callable[[Any, MicroBatch], Any] | None = None):
+        self.collate_fn, self.split_collate = collate_fn, split_collate
 
     def __call__(self, items: list) -> BalancedSlot:
         header = items[0]
-        groups: dict[int, list] = {}
+        groups: dict[Any, list] = {}
         for micro_batch, sample in items[1:]:
             groups.setdefault(micro_batch, []).append(sample)
-        return BalancedSlot(header, [self.collate_fn(samples) for _, samples in sorted(groups.items())])
+        keys = sorted(groups, key=lambda key: key[0] if isinstance(key, tuple) else key)
+        if not keys or not isinstance(keys[0], tuple):
+            return BalancedSlot(header, [self.collate_fn(groups[key]) for key in keys])
+        batches, entries = [], []
+        for key in keys:
+            entry, batch = key[1], self.collate_fn(groups[key])
+            if entry.split and self.split_collate is not None:
+                batch = self.split_collate(batch, entry)
+            batches.append(batch)
+            entries.append(entry)
+        return BalancedSlot(header, batches, entries)
 
 
 def slot_of_micro_batches(count: int, slots: int) -> list[int]:
@@ -114,6 +133,8 @@ class StepPlanner:
 
     ``padding``/``pad_to_multiple_of`` say how the collator lays a micro-batch out (``"packed"``:
     Σ lengths tokens; ``"padded"``: n × longest), so the cap and the costs are those of what runs.
+    The split policy (packed only) also takes ``node_size`` (ranks per node; 0: the world), ``max_group``,
+    ``min_chunk_tokens`` and ``all_to_all`` (:func:`~ds_odc.balance.split.plan_split`).
     """
 
     world_size: int
@@ -123,8 +144,16 @@ class StepPlanner:
     cost_model: CostModel
     padding: str = "packed"
     pad_to_multiple_of: int = 1
+    node_size: int = 0
+    max_group: int = 8
+    min_chunk_tokens: int = 2048
+    all_to_all: AllToAllCost | None = None
 
-    def plan(self, lengths: Sequence[int], seed: int) -> Plan:
+    def plan(self, lengths: Sequence[int], seed: int) -> Plan | SplitPlan:
+        if self.policy == SPLIT_POLICY:
+            return plan_split(lengths, self.world_size, self.token_cap, self.cost_model, self.all_to_all,
+                              node_size=self.node_size or self.world_size, max_group=self.max_group,
+                              min_chunk_tokens=self.min_chunk_tokens, seed=seed)
         return plan_minibatch(lengths, self.world_size, self.token_cap, self.policy, self.cost_model, seed=seed,
                               padding=self.padding, pad_to_multiple_of=self.pad_to_multiple_of)
 
@@ -132,10 +161,20 @@ class StepPlanner:
         """``slots`` batch-sampler items of this rank for a step whose global minibatch is ``members``
         (dataset indices, ``lengths`` theirs): each ``[header, (m, index), ...]``."""
         plan = self.plan(lengths, seed=step)
+        items: list[list]
+        if isinstance(plan, SplitPlan):
+            counts = tuple(len(plan.for_rank(r)) for r in range(plan.world_size))
+            header = StepHeader(step, counts, tuple(plan.rank_costs()), len(members), plan.step_cost(),
+                                plan.step_cost())
+            entries = plan.for_rank(self.rank)
+            items = [[header] for _ in range(slots)]
+            for m, (entry, slot) in enumerate(zip(entries, slot_of_micro_batches(len(entries), slots))):
+                items[slot].extend(((m, entry), members[i]) for i in entry.samples)
+            return items
         header = StepHeader(step, tuple(plan.micro_batch_counts()), tuple(plan.rank_costs()), len(members),
                             plan.odc_step_cost(), plan.collective_step_cost())
         mine = plan.for_rank(self.rank)
-        items: list[list] = [[header] for _ in range(slots)]
+        items = [[header] for _ in range(slots)]
         for m, (batch, slot) in enumerate(zip(mine, slot_of_micro_batches(len(mine), slots))):
             items[slot].extend((m, members[i]) for i in batch)
         return items

@@ -2,7 +2,7 @@
 
 Every rank owns one block (a few KiB of shared memory) that it alone writes and every peer reads::
 
-    header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag, forwards
+    header   magic, state, heartbeat, activity (what, step, count), pid, unmapped-flag, forwards, split key
     failure  length, record bytes                             (the group's poison record, comm/failure.py)
     slot 0   seq, step, kind, length, payload[width]           (rendezvous rounds of even seq)
     slot 1   seq, step, kind, length, payload[width]           (odd seq)
@@ -30,6 +30,7 @@ from ds_odc.comm.wording import NUMBERS, Wording
 MAGIC = 0x0DC0_0004  # layout version, written into every block by init() (a marker for a reader of raw blocks)
 # header words
 W_MAGIC, W_STATE, W_HEARTBEAT, W_ACTIVITY, W_ACTIVITY_STEP, W_ACTIVITY_COUNT, W_PID, W_UNMAPPED, W_FORWARDS = range(9)
+W_SPLIT = 9
 HEADER_WORDS = 16
 FAILURE_AT = HEADER_WORDS  # nbytes, then the record's bytes
 SLOTS_AT = FAILURE_AT + 1 + RECORD_BYTES // 8
@@ -121,6 +122,15 @@ class ControlBlock:
 
     def forwards(self) -> int:
         return self.ordering.load_acquire(self.words, W_FORWARDS)
+
+    # -- split micro-batch lockstep (ds_odc.runtime.lockstep.SplitLockstep) ---------------------------
+    def set_split_key(self, key: int) -> None:
+        """Which forward of which split micro-batch this rank has begun (an encoded, increasing key),
+        published with a release store: the members of that micro-batch wait for each other's."""
+        self.ordering.store_release(self.words, W_SPLIT, key)
+
+    def split_key(self) -> int:
+        return self.ordering.load_acquire(self.words, W_SPLIT)
 
     # -- rendezvous slots ----------------------------------------------------------------------------
     def _slot(self, parity: int) -> int:

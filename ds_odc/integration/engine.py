@@ -42,9 +42,17 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import logger
 
+from ds_odc.balance.split_plan import SPLIT_POLICY
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError, ODCStateError
-from ds_odc.integration import checkpoints, clean_exit, hf_generation, sequence_parallel, zero3_frozen
+from ds_odc.integration import (
+    checkpoints,
+    clean_exit,
+    hf_generation,
+    sequence_parallel,
+    split_attention,
+    zero3_frozen,
+)
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.surface import has
@@ -76,6 +84,7 @@ class _EngineState:
     in_backward_epilogue: bool = False  # DeepSpeed's own allreduce_gradients call is not a fence
     frozen: Optional[zero3_frozen.FrozenSession] = None  # an engine without an optimizer: its pulls
     lockstep: Optional[SequenceParallelLockstep] = None  # Ulysses SP: the ranks of a group run the same forwards
+    split: Optional[split_attention.SplitRuntime] = None  # "lb-mini-split": groups, attention hook, lockstep
     activations: Optional[EngineOffload] = None  # odc.activation_offload: the forward's saved-tensor hooks
 
 
@@ -101,7 +110,7 @@ class ODCEngine(DeepSpeedEngine):
             from ds_odc.integration.metrics_hooks import attach_recorder
             attach_recorder(self, self._odc.options.metrics_log_interval)
         if self._odc is not None:  # each rank decodes at its own pace (:mod:`ds_odc.integration.hf_generation`)
-            hf_generation.bind(self.module, lambda: self._odc_lockstep() is not None)
+            hf_generation.bind(self.module, lambda: isinstance(self._odc_lockstep(), SequenceParallelLockstep))
 
     @property
     def _odc_state(self) -> _EngineState:
@@ -131,6 +140,10 @@ class ODCEngine(DeepSpeedEngine):
             hf_generation.unbind(getattr(self, "module", None))
             if self._odc is not None:
                 sequence_parallel.unregister(self._odc.lockstep)
+                split, self._odc.split = self._odc.split, None
+                if split is not None:
+                    sequence_parallel.unregister(split.lockstep)
+                    split.close()
                 frozen, self._odc.frozen = self._odc.frozen, None
                 if frozen is not None:
                     frozen.release()
@@ -158,6 +171,24 @@ class ODCEngine(DeepSpeedEngine):
         if self.odc_activation_offload is not None:
             self.odc_activation_offload.plan_next(tokens)
 
+    @contextlib.contextmanager
+    def odc_micro_batch(self, micro_batch):
+        """Run one entry of this rank's list for the step (``SplitPlan.for_rank(rank)``, policy "lb-mini-split";
+        :mod:`ds_odc.integration.split_attention`): its forward(s) and backward go inside. A split entry runs
+        with Ulysses attention over its group, behind the split lockstep (its members begin each forward
+        together: :mod:`ds_odc.runtime.split_lockstep`); a whole one as usual. Feed it this rank's slice
+        (:func:`~ds_odc.integration.split_attention.split_batch`), and pass the slice's loss sum and token count
+        to ``backward(loss, loss_tokens=...)``."""
+        split = self._odc_state.split
+        if split is None:
+            if len(micro_batch.ranks) > 1:
+                raise ODCConfigError("a split micro-batch needs zero_optimization.odc.balance.policy 'lb-mini-split' "
+                                     "in the ds_config (the engine creates its groups at initialize)")
+            yield
+            return
+        with split.micro_batch(micro_batch):
+            yield
+
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
         """``DeepSpeedEngine.backward`` plus an optional ``loss_tokens`` (per-token normalisation).
 
@@ -167,6 +198,14 @@ class ODCEngine(DeepSpeedEngine):
         if loss_tokens is not None:
             self.set_loss_tokens(loss_tokens)
         decided = self._odc_rule_for_backward(scale_wrt_gas)
+        split = self._odc_state.split
+        if split is not None:
+            split.check_backward()
+            if split.lockstep.entry is not None and decided.rule is LossNormalization.MEAN:
+                raise ODCConfigError(f"{split.lockstep.entry.title}: each member holds a slice of the sample, so "
+                                     "the mean over micro-batches would count it once per member; pass the slice's "
+                                     "loss sum and token count (engine.backward(loss, loss_tokens=n)), or a loss the "
+                                     "caller scaled (managed_gradient_accumulation false)")
         optimizer = self.optimizer
         seen = optimizer.odc_gradients_seen
         offload = self._odc_state.activations
@@ -192,6 +231,8 @@ class ODCEngine(DeepSpeedEngine):
         lockstep = self._odc_lockstep()
         if lockstep is not None:
             lockstep.before_forward()
+        if self._odc is not None and self._odc.split is not None:
+            self._odc.split.note_forward(self.module.training)
         offload = self.odc_activation_offload
         with self._odc_collectives("forward"):
             if offload is None:
@@ -199,12 +240,15 @@ class ODCEngine(DeepSpeedEngine):
             with offload.forward(lambda: self.module(*inputs, **kwargs), inputs, kwargs, self.module.training):
                 return super().forward(*inputs, **kwargs)
 
-    def _odc_lockstep(self) -> Optional[SequenceParallelLockstep]:
-        """A training engine's own SP lockstep; a frozen engine takes the newest training engine's."""
+    def _odc_lockstep(self) -> Optional[sequence_parallel.Lockstep]:
+        """A training engine's own lockstep (fixed SP's, or the split micro-batches'); a frozen engine takes the
+        newest training engine's."""
         if self._odc is None:
             return None
         if self._odc.frozen is not None:
             return sequence_parallel.process_lockstep()
+        if self._odc.split is not None:
+            return self._odc.split.lockstep
         return self._odc.lockstep
 
     def _odc_collectives(self, where: str):
@@ -332,6 +376,13 @@ class ODCEngine(DeepSpeedEngine):
             self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc, timeout_s)
             if self._odc.lockstep is not None:
                 sequence_parallel.register(self._odc.lockstep)
+            balance = self._odc.options.balance
+            if balance is not None and balance.policy == SPLIT_POLICY:
+                if self._odc.lockstep is not None:
+                    raise ODCConfigError("balance policy 'lb-mini-split' chooses its sequence-parallel groups per "
+                                         "micro-batch: leave the fixed SP mpu (ALST's, accelerate's sp_size) out")
+                self._odc.split = split_attention.enable(self, built.odc, balance, timeout_s)
+                sequence_parallel.register(self._odc.split.lockstep)
         return built
 
     def _backward_prologue_per_tensor(self, grad):

@@ -97,12 +97,19 @@ class TrainerBalance:
         replicas = placement.groups if placement else trainer.args.world_size
         trainer.current_gradient_accumulation_steps = inputs.header.global_micro_batches / replicas
         self.last_header = inputs.header
+        entries = inputs.entries or [None] * len(inputs.micro_batches)
+        if num_items_in_batch is None and any(entry is not None and entry.split for entry in entries):
+            raise ODCConfigError("zero_optimization.odc.balance.policy 'lb-mini-split' needs the loss-token count "
+                                 "of each step (each member of a split micro-batch holds a slice of a sample, so a "
+                                 "mean per micro-batch would count it once per member): a model that takes "
+                                 "num_items_in_batch (transformers' causal LMs do) and labels in every batch")
         total = torch.zeros((), device=trainer.args.device)
         try:
             with self.answered_locally(trainer):
-                for m, batch in enumerate(inputs.micro_batches):
+                for m, (batch, entry) in enumerate(zip(inputs.micro_batches, entries)):
                     gradient_state._set_sync_gradients(sync and m == len(inputs.micro_batches) - 1)
-                    total = total + original(trainer, model, batch, num_items_in_batch, *args, **kwargs)
+                    with _planned_entry(trainer, entry):
+                        total = total + original(trainer, model, batch, num_items_in_batch, *args, **kwargs)
             if sync and not inputs.micro_batches:
                 _step_without_micro_batch(trainer)
         finally:
@@ -164,6 +171,14 @@ class TrainerBalance:
         accelerator = trainer.accelerator
         with swapped(accelerator, "gather", local), swapped(accelerator, "gather_for_metrics", local):
             yield
+
+
+def _planned_entry(trainer, entry):
+    """Under the split policy, the entry's micro-batch runs inside ``engine.odc_micro_batch(entry)`` (a split one
+    over its group: :mod:`ds_odc.integration.split_attention`); otherwise nothing changes."""
+    if entry is None:
+        return contextlib.nullcontext()
+    return trainer.accelerator.deepspeed_engine_wrapped.engine.odc_micro_batch(entry)
 
 
 def _step_without_micro_batch(trainer) -> None:

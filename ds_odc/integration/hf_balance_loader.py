@@ -19,15 +19,21 @@ touches the Trainer beyond reading it.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 from deepspeed.utils import logger
 
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
+from ds_odc.balance.split_plan import SPLIT_POLICY
+from ds_odc.comm.topology import launcher_topology
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost
 from ds_odc.errors import ODCConfigError, ODCError
 from ds_odc.integration.activation_offload import offload_aware_cost
 from ds_odc.integration.hf_cost import measure_cost_model
 from ds_odc.integration.hf_sequence_parallel import keep_planned_loader, placement_of, sharding_collator
+from ds_odc.integration.split_attention import attention_shape, check_group, split_batch
 
 
 # -- the cost model -------------------------------------------------------------------------------------
@@ -175,9 +181,19 @@ def slot_loader(trainer, loader, config: BalanceConfig):
     replicas, replica = (placement.groups, placement.group) if placement else (world_size, rank)
     accumulation_steps = trainer.args.gradient_accumulation_steps // (placement.size if placement else 1)
 
+    split = config.policy == SPLIT_POLICY
+    if split and placement is not None:
+        raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r} chooses its sequence-parallel "
+                             "groups per micro-batch: leave accelerate's fixed sp_size (ParallelismConfig) out")
+
     def planner_for(members, lengths):
         if "planner" not in decided:
             padding = _decide_padding(config, dataset, collate_fn, members, length_of)
+            if split and padding != "packed":
+                raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r} needs packed "
+                                     f"micro-batches (the collator lays them out {padding!r}): a split micro-batch is "
+                                     "one sequence cut over its ranks, so pack each micro-batch into one (e.g. "
+                                     "transformers' DataCollatorWithFlattening) with per_device_train_batch_size=1")
             if placement is not None and padding != "packed":
                 raise ODCConfigError("zero_optimization.odc.balance with sequence parallelism needs packed "
                                      "micro-batches "
@@ -188,7 +204,7 @@ def slot_loader(trainer, loader, config: BalanceConfig):
             cost_model = cost_model_of(config) or measure_cost_model(trainer, config)
             cost_model = offload_aware_cost(trainer, cost_model, measured=config.cost_model == "measure")
             decided["planner"] = StepPlanner(replicas, replica, config.token_cap, config.policy, cost_model,
-                                             padding, config.pad_to_multiple_of)
+                                             padding, config.pad_to_multiple_of, **_split_options(trainer, config))
             if trainer.is_world_process_zero():
                 logger.info(f"ds_odc balance: {config.policy}, token_cap {config.token_cap}, {padding} micro-batches, "
                             f"cost model {cost_model}")
@@ -200,8 +216,31 @@ def slot_loader(trainer, loader, config: BalanceConfig):
     if placement is not None:
         collate_fn = sharding_collator(collate_fn, placement)
         keep_planned_loader(trainer, lambda dl: getattr(dl, "batch_sampler", None) is sampler)
+    split_collate = functools.partial(trainer_slice, rank=rank) if split else None
     ignored = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
     kwargs = {k: getattr(loader, k, default) for k, default in _PYTORCH_DATALOADER_KWARGS.items() if k not in ignored}
     return DataLoaderShard(SlotDataset(dataset), device=loader.device, rng_types=loader.rng_types,
                            synchronized_generator=loader.synchronized_generator, iteration=loader.iteration,
-                           batch_sampler=sampler, collate_fn=SlotCollator(collate_fn), **kwargs)
+                           batch_sampler=sampler, collate_fn=SlotCollator(collate_fn, split_collate), **kwargs)
+
+
+def _split_options(trainer, config: BalanceConfig) -> dict:
+    """The split policy's planner arguments: the engine's group limit (balance.max_group, or what the model's
+    heads allow) and the node size (ranks per host, as the odc stage's node)."""
+    if config.policy != SPLIT_POLICY:
+        return {}
+    max_group = check_group(attention_shape(trainer.model), config.max_group)
+    node_size = trainer.args.world_size
+    topology = launcher_topology(os.environ)
+    if topology is not None and topology.nodes:
+        node_size = min(node_size, len(topology.nodes[0]))
+    return {"node_size": node_size, "max_group": max_group, "min_chunk_tokens": config.min_chunk_tokens}
+
+
+def trainer_slice(batch: dict, entry, rank: int) -> dict:
+    """A split micro-batch cut to this rank's slice (:func:`~ds_odc.integration.split_attention.split_batch`),
+    with ``labels`` kept as the slice's shifted labels, so that the Trainer counts its loss tokens (it counts
+    ``shift_labels`` once ``labels`` is there) and the model's loss reads ``shift_labels``."""
+    part = split_batch(batch, entry, rank)
+    part["labels"] = part["shift_labels"]
+    return part

@@ -4,10 +4,11 @@ Two shapes, both used by every patch under ``ds_odc/integration``:
 
 * :class:`PatchSet`: replacements that outlast one call: while ds_odc is registered (``deepspeed.initialize``,
   accelerate's ``HfDeepSpeedConfig.set_stage_and_offload``), or for an engine's life (the closures ZeRO-3
-  attaches to each parameter, a coordinator's ``reset_step``, the step recorder's hooks), undone by the
-  engine's ``destroy()``. Each is built from the original (``make(original) -> replacement``), applied once
-  however often it is asked for, and undone in reverse order by :meth:`PatchSet.undo` (all of them, or
-  those of one owner), which restores exactly the lookup there was before.
+  attaches to each parameter, a coordinator's ``reset_step``, the step recorder's hooks, an entry of
+  transformers' attention functions), undone by the engine's ``destroy()``. Each is built from the original
+  (``make(original) -> replacement``), applied once however often it is asked for, and undone in reverse order
+  by :meth:`PatchSet.undo` (all of them, or those of one owner), which restores exactly the lookup there was
+  before.
 * :func:`swapped`: a replacement for the duration of one call (``deepspeed.DeepSpeedEngine`` while
   ``deepspeed.initialize`` builds an ODC engine, ZeRO-3's optimizer class while the engine configures
   it, ``deepspeed.comm.barrier`` while a checkpoint is saved), restored on every exit path.
@@ -33,6 +34,7 @@ class _Applied:
     original: Any
     replacement: Any
     held: bool  # the owner held the name itself (else it was found on its class, and undo deletes it again)
+    item: Optional[str] = None  # replace_item: the key of the mapping entry (``name`` is then its label)
 
 
 class PatchSet:
@@ -79,6 +81,19 @@ class PatchSet:
         self._applied[key] = _Applied(owner, name, original, replacement, held)
         self._names.setdefault(id(owner), []).append(name)
 
+    def replace_item(self, mapping: Any, key: str, make: Callable[[Any], Any]) -> None:
+        """Set ``mapping[key]`` to ``make(original)`` (once), for registries that are mappings (transformers'
+        ``ALL_ATTENTION_FUNCTIONS``). :meth:`undo` puts the original back under ``key`` (so every lookup finds
+        what it found before), unless someone replaced the entry after us."""
+        name = f"[{key!r}]"
+        if (id(mapping), name) in self._applied:
+            return
+        original = mapping[key]
+        replacement = make(original)
+        mapping[key] = replacement
+        self._applied[(id(mapping), name)] = _Applied(mapping, name, original, replacement, held=True, item=key)
+        self._names.setdefault(id(mapping), []).append(name)
+
     def undo(self, owner: Any = None) -> None:
         """Restore every original (only ``owner``'s, when given), last replacement first. A name replaced by
         someone else after us is left as they set it: undoing would drop their replacement. A name the
@@ -91,6 +106,10 @@ class PatchSet:
             keys = [(id(owner), name) for name in self._names.pop(id(owner), ())]
         for key in reversed(keys):
             applied = self._applied.pop(key)
+            if applied.item is not None:  # an entry of a mapping (replace_item)
+                if applied.owner.get(applied.item) is applied.replacement:
+                    applied.owner[applied.item] = applied.original
+                continue
             if getattr(applied.owner, applied.name, None) is not applied.replacement:
                 continue
             if applied.held:

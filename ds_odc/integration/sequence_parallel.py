@@ -14,12 +14,16 @@ mesh only).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as tdist
 
 from ds_odc.runtime import ODCRuntime
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
+from ds_odc.runtime.split_lockstep import SplitLockstep
+
+#: A training engine's lockstep: fixed SP's, or the split micro-batches' (:mod:`ds_odc.integration.split_attention`).
+Lockstep = Union[SequenceParallelLockstep, SplitLockstep]
 
 
 def sequence_parallel_size(engine) -> int:
@@ -37,18 +41,20 @@ def lockstep_for(engine, runtime: ODCRuntime, timeout_s: float) -> Optional[Sequ
     return runtime.sequence_parallel_lockstep(members[0] // size, members, timeout_s)
 
 
-_training_locksteps: list[SequenceParallelLockstep] = []  # of this process's training engines, newest last
+_training_locksteps: list[Lockstep] = []  # of this process's training engines, newest last
 
 
-def register(lockstep: SequenceParallelLockstep) -> None:
+def register(lockstep: Lockstep) -> None:
     _training_locksteps.append(lockstep)
 
 
-def unregister(lockstep: Optional[SequenceParallelLockstep]) -> None:
+def unregister(lockstep: Optional[Lockstep]) -> None:
     if lockstep in _training_locksteps:
         _training_locksteps.remove(lockstep)
 
 
-def process_lockstep() -> Optional[SequenceParallelLockstep]:
-    """The lockstep a frozen engine's forward takes: the newest training engine's (None without SP)."""
+def process_lockstep() -> Optional[Lockstep]:
+    """The lockstep a frozen engine's forward takes: the newest training engine's (None without SP or split
+    micro-batches; a split one's attention hook is process-wide too, so a reference model inside a split
+    micro-batch meets its members in all-to-alls)."""
     return _training_locksteps[-1] if _training_locksteps else None

@@ -126,6 +126,7 @@ _TIMEOUTS, _SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/clean_ex
 _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
 _BALANCE, _LOADER, _COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
                             "ds_odc/integration/hf_cost.py")
+_SPLIT = "ds_odc/integration/split_attention.py"
 
 _ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
 _PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -426,6 +427,17 @@ SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
                 _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
                 found_in="_run_epoch", since=TRAINER_RUN_EPOCH),
+    # -- split micro-batches (policy "lb-mini-split"): ALST's attention over groups chosen per micro-batch ------
+    PrivateName("transformers.modeling_utils", None, "ALL_ATTENTION_FUNCTIONS", Kind.MODULE_ATTRIBUTE, _SPLIT,
+                "the hook ALST uses: the model's attention implementation replaced by the split dispatcher"),
+    PrivateName("transformers.configuration_utils", "PretrainedConfig", "_attn_implementation",
+                Kind.CLASS_ATTRIBUTE, _SPLIT, "which attention implementation the model calls (the entry hooked)"),
+    PrivateName("transformers.models.llama.modeling_llama", "LlamaAttention", "num_key_value_groups",
+                Kind.INSTANCE_ATTRIBUTE, _SPLIT, "set by Ulysses when it replicates key/value heads; put back for "
+                "whole micro-batches", found_in="__init__"),
+    PrivateName("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPAttentionHF", "core_attn_implementation",
+                Kind.INSTANCE_ATTRIBUTE, _SPLIT, "set on each group's Ulysses attention, as register_with_transformers "
+                "sets it", found_in="__init__"),
 )
 
 
@@ -524,4 +536,10 @@ PROCESS_WIDE: tuple[ProcessWide, ...] = (
     ProcessWide("a post-import finder on sys.meta_path", "until the modules it waits for are imported",
                 "ds_odc patches accelerate and transformers only once a program imports them",
                 "ds_odc_import_hooks.py"),
+    ProcessWide("transformers' ALL_ATTENTION_FUNCTIONS entry of the model's attention implementation (e.g. 'sdpa') "
+                "replaced by the split dispatcher (the original for a whole micro-batch, Ulysses over the group inside "
+                "a split one)", "from the build of an ODC engine with balance policy 'lb-mini-split' to its "
+                "destroy()", "transformers looks the attention function up there at every call, and ALST hooks the "
+                "same entry; a frozen model's forward inside a split micro-batch (a reference model) must meet the "
+                "members too", _SPLIT),
 )

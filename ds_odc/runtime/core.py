@@ -20,6 +20,7 @@ from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
 from ds_odc.runtime.round_kinds import RoundKind
+from ds_odc.runtime.split_lockstep import SplitLockstep
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
 
 #: The most values :meth:`ODCRuntime.exchange_values` carries in one round.
@@ -194,6 +195,10 @@ class ODCRuntime:
                                    ) -> SequenceParallelLockstep:
         """The lockstep of SP group ``group`` (job ranks ``members``): its ranks begin the same forwards."""
         return SequenceParallelLockstep(self.protocol, group, members, timeout_s)
+
+    def split_lockstep(self, timeout_s: float) -> SplitLockstep:
+        """The lockstep of split micro-batches (policy "lb-mini-split"): their members begin the same forwards."""
+        return SplitLockstep(self.protocol, timeout_s)
 
     def barrier(self, what: str) -> None:
         """A barrier that fails fast, naming the rank, when a peer fails, dies or stalls."""

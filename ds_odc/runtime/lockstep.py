@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ds_odc.comm.backoff import Backoff
 from ds_odc.comm.control import State
@@ -48,8 +48,8 @@ class SequenceParallelLockstep:
         first = plane.first_rank
         outside = [m for m in members if not first <= m < first + plane.world_size]
         if outside:
-            raise ODCError(f"sequence-parallel group {group} (ranks {_ranks(members)}) spans nodes (ranks "
-                           f"{_ranks(outside)} are not on this rank's node): the odc stage needs every SP group "
+            raise ODCError(f"sequence-parallel group {group} (ranks {ranks_text(members)}) spans nodes (ranks "
+                           f"{ranks_text(outside)} are not on this rank's node): the odc stage needs every SP group "
                            "within one node")
         self.protocol, self.group, self.members, self.timeout_s = protocol, group, list(members), timeout_s
         self.me = transport.job_rank
@@ -58,7 +58,7 @@ class SequenceParallelLockstep:
 
     @property
     def title(self) -> str:
-        return f"sequence-parallel group {self.group} (ranks {_ranks(self.members)})"
+        return f"sequence-parallel group {self.group} (ranks {ranks_text(self.members)})"
 
     def before_forward(self) -> None:
         """Publish one more forward and wait for every SP peer to begin it too (see the module docstring)."""
@@ -100,35 +100,48 @@ class SequenceParallelLockstep:
     def collectives(self, where: str):
         """Around a forward or backward: an error raised inside (an SP collective's, when a peer died in it)
         becomes one naming the SP peer that exited or failed, if one did."""
-        try:
+        with naming_dead_peers(self.protocol, lambda: (self.peers, self.title), where):
             yield
-        except ODCError:
+
+
+@contextlib.contextmanager
+def naming_dead_peers(protocol: StepProtocol, group: Callable[[], tuple[list[int], str]], where: str):
+    """An error raised inside (a collective's, when a peer of the group died in it) becomes one naming the peer
+    that exited or failed, if one did; ``group()``: the peers' control blocks and the group's title, or no
+    peers when this rank is in no group now."""
+    try:
+        yield
+    except ODCError:
+        raise
+    except Exception as err:
+        peers, title = group()
+        named = _peer_failure(protocol, peers, title, where) if peers else None
+        if named is None:
             raise
-        except Exception as err:
-            named = self._peer_failure(where)
-            if named is None:
-                raise
-            self.protocol.fail(named, where)
-            raise named from err
+        protocol.fail(named, where)
+        raise named from err
 
-    def _peer_failure(self, where: str) -> Optional[ODCPeerError]:
-        plane = self.protocol.transport.plane
-        if plane is None:
+
+def _peer_failure(protocol: StepProtocol, peers: Sequence[int], title: str, where: str) -> Optional[ODCPeerError]:
+    """The first of ``peers`` (control blocks of this node) that failed or exited, within :data:`DEATH_GRACE_S`."""
+    plane = protocol.transport.plane
+    if plane is None:
+        return None
+    me = protocol.transport.job_rank
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while True:
+        for r in peers:
+            record = plane.failure_of(r)
+            if record is None and not plane.alive(r):
+                record = FailureRecord(plane.job_rank(r), protocol.step_number, plane.activity_text(r),
+                                       "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
+            if record is not None:
+                return ODCPeerError(f"{record.describe()}; rank {me} was in {where} with it ({title}), "
+                                    "inside a sequence-parallel collective", record)
+        if time.monotonic() >= deadline or any(plane.blocks[r].state() == State.CLOSED for r in peers):
             return None
-        deadline = time.monotonic() + DEATH_GRACE_S
-        while True:
-            for r in self.peers:
-                record = plane.failure_of(r)
-                if record is None and not plane.alive(r):
-                    record = FailureRecord(plane.job_rank(r), self.protocol.step_number, plane.activity_text(r),
-                                           "exited (killed, crashed, or its script ended)", FailureKind.EXITED)
-                if record is not None:
-                    return ODCPeerError(f"{record.describe()}; rank {self.me} was in {where} with it ({self.title}), "
-                                        "inside a sequence-parallel collective", record)
-            if time.monotonic() >= deadline or any(plane.blocks[r].state() == State.CLOSED for r in self.peers):
-                return None
-            time.sleep(0.05)
+        time.sleep(0.05)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)

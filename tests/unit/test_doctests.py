@@ -17,6 +17,7 @@ import ds_odc.comm.topology
 import ds_odc.config
 import ds_odc.runtime.layout
 import ds_odc.runtime.same_model
+import ds_odc.runtime.split_lockstep
 import ds_odc_import_hooks
 
 
@@ -24,7 +25,8 @@ import ds_odc_import_hooks
                                     ds_odc.balance.cost, ds_odc.balance.packing, ds_odc.balance.partition,
                                     ds_odc.comm.shm, ds_odc.balance.slots, ds_odc.comm.topology,
                                     ds_odc.comm.cross_node, ds_odc.comm.failure, ds_odc_import_hooks,
-                                    ds_odc.balance.split, ds_odc.balance.split_cost, ds_odc.balance.split_plan])
+                                    ds_odc.balance.split, ds_odc.balance.split_cost, ds_odc.balance.split_plan,
+                                    ds_odc.runtime.split_lockstep])
 def test_docstring_examples(module):
     failures, tried = doctest.testmod(module)
     assert tried > 0 and failures == 0

@@ -1,0 +1,269 @@
+"""Long samples split over aligned groups on the odc stage (policy ``"lb-mini-split"``): the groups, the
+attention hook, and one split micro-batch at a time. The plan is :mod:`ds_odc.balance.split`; the lockstep
+:mod:`ds_odc.runtime.split_lockstep`.
+
+A training engine whose ``zero_optimization.odc.balance.policy`` is ``"lb-mini-split"`` sets this up at
+``deepspeed.initialize`` (every rank, collective):
+
+* **Groups.** For every group size the plan may use (:func:`~ds_odc.balance.split_plan.group_sizes`, up to
+  ``balance.max_group`` or what the model's heads allow) and every aligned block of it inside a node, one
+  ``torch.distributed`` process group, created on every rank in the same order (``new_group`` is collective
+  over the world). A rank belongs to at most three (groups of 2, 4 and 8).
+* **Attention.** The model's attention implementation (``config._attn_implementation``, e.g. ``"sdpa"``) is
+  replaced in transformers' ``ALL_ATTENTION_FUNCTIONS``, the hook ALST uses, by a function that runs the
+  original for a whole micro-batch and, inside a split micro-batch, DeepSpeed's Ulysses attention
+  (``UlyssesSPAttentionHF``, one per group this rank belongs to) over that micro-batch's group. The
+  all-to-alls are DeepSpeed's, on those process groups (why not one-sided through ODC's windows:
+  docs/balancing.md). Samples packed into one micro-batch, split or whole, attend each within itself
+  (:func:`per_sample`: a sample's attention costs its own length squared; transformers' sdpa would mask a
+  whole packed micro-batch densely and compute its total length squared, 3.5x the time for four ~1K samples).
+* **Heads.** Ulysses needs the query heads to divide by the group and the key/value heads to divide it or by
+  it: a ``max_group`` the model's heads do not allow is refused by name
+  (:func:`~ds_odc.balance.split_plan.max_group_for_heads`).
+
+Then each entry of a rank's list (``SplitPlan.for_rank``) runs inside ``engine.odc_micro_batch(entry)``: a
+split entry points the attention at its group and takes the lockstep before each forward; its forward and
+backward run there. Gradients go to the owners as usual (each member pushes its partial gradient, the owners'
+accumulators sum them), and each member passes its own slice's loss sum and token count
+(:func:`split_batch`), so per-token normalisation counts a split sample's tokens once.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from ds_odc.balance.split_plan import aligned_groups, group_sizes, max_group_for_heads
+from ds_odc.errors import ODCConfigError, ODCError
+from ds_odc.integration.hf_sequence_parallel import IGNORE_INDEX, shard_for_sequence_parallel
+from ds_odc.integration.patching import PatchSet
+from ds_odc.runtime.split_lockstep import SplitLockstep
+
+#: Attention implementations Ulysses cannot take over: eager builds a full 4-D mask, flex a block mask the
+#: gathered sequence would need rebuilt.
+REFUSED_IMPLEMENTATIONS = ("eager", "paged|eager", "flex_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What Ulysses needs to know of a Hugging Face model's attention."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    implementation: str
+
+
+def attention_shape(module: torch.nn.Module) -> AttentionShape:
+    """The attention of the first Hugging Face model in ``module`` (itself or a submodule with a ``config``)."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        if text is not None and getattr(text, "num_attention_heads", None):
+            heads = int(text.num_attention_heads)
+            return AttentionShape(heads, int(getattr(text, "num_key_value_heads", None) or heads),
+                                  int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                                  int(text.num_hidden_layers), str(getattr(config, "_attn_implementation", "eager")))
+    raise ODCConfigError("balance policy 'lb-mini-split' needs a Hugging Face model (a module with a config that has "
+                         f"num_attention_heads) to split attention over ranks; {type(module).__name__} has none")
+
+
+def check_group(shape: AttentionShape, max_group: Optional[int]) -> int:
+    """The largest group to split over: ``max_group`` if the model's heads allow it (else refused by name), or
+    the largest the heads allow (at most 8) when None."""
+    allowed = max_group_for_heads(shape.heads, shape.kv_heads, limit=8)
+    if max_group is None:
+        return allowed
+    if max_group_for_heads(shape.heads, shape.kv_heads, limit=max_group) < max_group:
+        raise ODCConfigError(f"zero_optimization.odc.balance.max_group={max_group}: the model has {shape.heads} query "
+                             f"heads and {shape.kv_heads} key/value heads, and Ulysses attention over a group of "
+                             f"{max_group} needs the query heads to divide by it and the key/value heads to divide it "
+                             f"or by it; the largest group these heads allow is {allowed}"
+                             + (" (none: the model cannot be split)" if allowed == 1 else ""))
+    return max_group
+
+
+def per_sample(core: Callable) -> Callable:
+    """``core`` attention run on each sample of a packed sequence separately (a sample starts where
+    ``position_ids`` restart at 0), so that packed samples do not attend to each other once the split
+    micro-batch's sequence is gathered (Ulysses drops the mask the model built for a slice)."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None or positions.shape[0] != 1:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        starts = sorted({0, *(int(i) for i in torch.nonzero(positions[0] == 0).flatten().tolist())})
+        if len(starts) == 1:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        bounds = [*starts, positions.shape[1]]
+        outputs = []
+        for a, b in zip(bounds, bounds[1:]):
+            out, _ = core(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, *args,
+                          **dict(kwargs, position_ids=positions[:, a:b]))
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+    return attention
+
+
+def _packed(positions) -> bool:
+    """Whether one sequence's ``position_ids`` restart after its first token (several samples packed)."""
+    return positions is not None and positions.shape[0] == 1 and bool((positions[0, 1:] == 0).any())
+
+
+class SplitRuntime:
+    """This rank's groups, its Ulysses attention per group, the attention hook and the lockstep."""
+
+    def __init__(self, shape: AttentionShape, max_group: int, world_size: int, rank: int, node_size: int,
+                 lockstep: SplitLockstep):
+        self.shape, self.lockstep, self.rank = shape, lockstep, rank
+        self.max_group, self.node_size, self.world_size = max_group, node_size, world_size
+        self.groups: dict[tuple[int, ...], Any] = {}  # members -> process group (this rank's only)
+        self.attention: dict[tuple[int, ...], Any] = {}  # members -> UlyssesSPAttentionHF over them
+        self.active: Optional[Any] = None  # the Ulysses attention of the split micro-batch running now
+        self.forward_outstanding: Optional[int] = None  # a split micro-batch's training forward awaits backward
+        self.patches = PatchSet("the odc stage's split attention")
+
+    # -- setup (collective) ---------------------------------------------------------------------------------
+    def create_groups(self) -> None:
+        """One process group per aligned block of every allowed size, on every rank in the same order."""
+        import torch.distributed as tdist
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        core = ALL_ATTENTION_FUNCTIONS[self.shape.implementation]
+        shape = self.shape
+        for p in group_sizes(self.world_size, self.node_size, self.max_group):
+            for g in aligned_groups(self.world_size, self.node_size, p):
+                members = tuple(range(g * p, (g + 1) * p))
+                group = tdist.new_group(list(members))
+                if self.rank not in members:
+                    continue
+                self.groups[members] = group
+                ulysses = UlyssesSPAttentionHF(attn=per_sample(core), batch_size=1, attn_head_count=shape.heads,
+                                               attn_head_size=shape.head_dim, kv_head_count=shape.kv_heads,
+                                               num_hidden_layers=shape.layers, process_group=group,
+                                               seq_length_is_variable=True)
+                ulysses.core_attn_implementation = shape.implementation
+                self.attention[members] = ulysses
+
+    def install(self) -> None:
+        """Replace the model's attention implementation in transformers' registry by :meth:`attend`."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.patches.replace_item(ALL_ATTENTION_FUNCTIONS, self.shape.implementation, self._dispatcher)
+
+    def _dispatcher(self, core: Callable) -> Callable:
+        separate = per_sample(core)
+
+        def attend(module, query, key, value, attention_mask, *args, **kwargs):
+            ulysses = self.active
+            if ulysses is None:  # a whole micro-batch: packed samples, each within itself, as in a split one
+                if query.shape[0] == 1 and _packed(kwargs.get("position_ids")):
+                    return separate(module, query, key, value, None, *args, **kwargs)
+                return core(module, query, key, value, attention_mask, *args, **kwargs)
+            if query.shape[0] != 1:
+                raise ODCConfigError(f"a split micro-batch holds {query.shape[0]} sequences: pack its samples into "
+                                     "one sequence (e.g. transformers' DataCollatorWithFlattening)")
+            groups = getattr(module, "num_key_value_groups", None)
+            try:  # Ulysses drops the slice's mask (per_sample attends each sample within itself)
+                return ulysses(module, query, key, value, None, *args, **kwargs)
+            finally:  # it sets the module's GQA factor for its replicated key/value heads; whole ones need ours
+                if groups is not None:
+                    module.num_key_value_groups = groups
+
+        return attend
+
+    def close(self) -> None:
+        self.patches.undo()
+        self.active = None
+
+    # -- one micro-batch ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch(self, entry):
+        """Run ``entry`` (a ``MicroBatch`` of ``SplitPlan.for_rank``: ``ranks``, ``sequence``) inside: a split
+        one over its group (attention and lockstep), a whole one as usual."""
+        ranks = tuple(int(r) for r in entry.ranks)
+        if self.rank not in ranks:
+            raise ODCError(f"rank {self.rank} runs a micro-batch of ranks {ranks}: run only the entries of this "
+                           "rank's own list (SplitPlan.for_rank)")
+        if len(ranks) == 1:
+            yield
+            return
+        ulysses = self.attention.get(ranks)
+        if ulysses is None:
+            raise ODCConfigError(f"split micro-batch {entry.sequence} runs over ranks {ranks}, which is not an aligned "
+                                 f"group this job created (groups of up to {self.max_group} ranks inside a node of "
+                                 f"{self.node_size}: zero_optimization.odc.balance.max_group)")
+        if self.active is not None:
+            raise ODCError("split micro-batches cannot nest: run one micro-batch at a time")
+        with self.lockstep.inside(int(entry.sequence), ranks):
+            self.active = ulysses
+            try:
+                yield
+            finally:
+                self.active = None
+
+    def note_forward(self, training: bool) -> None:
+        """A training forward inside a split micro-batch must have its backward there too (checkpointed
+        layers recompute their attention in backward, which must go over the same group)."""
+        entry = self.lockstep.entry
+        if training and entry is not None:
+            self.forward_outstanding = entry.sequence
+
+    def check_backward(self) -> None:
+        if self.lockstep.entry is None and self.forward_outstanding is not None:
+            sequence, self.forward_outstanding = self.forward_outstanding, None
+            raise ODCError(f"the backward of split micro-batch {sequence} ran outside engine.odc_micro_batch(): run "
+                           "a split micro-batch's forward and backward inside it (its recomputed attention, and its "
+                           "all-to-alls' gradients, go over its group)")
+        self.forward_outstanding = None
+
+
+def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
+    """The split runtime of a training engine whose balance policy is "lb-mini-split" (see the module docstring);
+    collective: every rank calls it at ``deepspeed.initialize``."""
+    import torch.distributed as tdist
+
+    shape = attention_shape(engine.module)
+    if shape.implementation in REFUSED_IMPLEMENTATIONS:
+        raise ODCConfigError(f"balance policy 'lb-mini-split' splits attention with Ulysses, which cannot take the "
+                             f"model's attn_implementation={shape.implementation!r}: use 'sdpa' or a flash attention")
+    max_group = check_group(shape, getattr(balance, "max_group", None))
+    plane = runtime.transport.control_plane
+    split = SplitRuntime(shape, max_group, tdist.get_world_size(), tdist.get_rank(), plane.world_size,
+                         runtime.split_lockstep(timeout_s))
+    split.create_groups()
+    split.install()
+    return split
+
+
+def split_batch(batch: dict, entry, rank: int, pad_token_id: int = 0) -> dict:
+    """This rank's slice of a collated, packed micro-batch (``input_ids`` of shape ``[1, tokens]``) for ``entry``.
+
+    A whole entry: ``labels`` become ``shift_labels`` (shifted, the last token of each sequence without a label),
+    nothing is cut. A split one: the same, then padded to a multiple of the group (padding tokens continue the last
+    sample's positions and have no label, so they change no other token's attention nor the loss), then cut into
+    the group's equal slices, slice ``entry.part(rank)`` kept (ALST's rules: labels shifted before slicing,
+    ``position_ids`` sliced, so RoPE sees global positions). Either way the loss is the sum over ``shift_labels``
+    and its token count ``(shift_labels != -100).sum()``, and the slices' counts add up to the micro-batch's."""
+    size = len(entry.ranks)
+    if size == 1:
+        return shard_for_sequence_parallel(batch, 0, 1)
+    length = batch["input_ids"].shape[1]
+    pad = -length % size
+    if pad:
+        batch = dict(batch)
+        for key, value in list(batch.items()):
+            if not torch.is_tensor(value) or value.dim() < 2:
+                continue
+            if key == "position_ids":
+                tail = value[:, -1:] + torch.arange(1, pad + 1, dtype=value.dtype, device=value.device)
+            else:
+                fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "input_ids": pad_token_id}.get(key, 0)
+                tail = torch.full((value.shape[0], pad, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
+            batch[key] = torch.cat([value, tail], dim=1)
+    return shard_for_sequence_parallel(batch, entry.part(rank), size)
