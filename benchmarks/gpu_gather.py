@@ -120,14 +120,14 @@ def _measure(transport, device, shapes, iters):
 
 
 def rank_main(hiddens, layers, iters, name="cuda_ipc"):
-    """In a rank (tests/distributed/harness.py: process group up, CUDA accelerator): allocate windows large
+    """In a rank (tests/support/harness.py: process group up, CUDA accelerator): allocate windows large
     enough for the largest gather, rank 0 measures, then every rank meets before closing."""
     import torch
     import torch.distributed as tdist
 
     from ds_odc.comm import WindowSpec, create_transport
     from ds_odc.runtime.round_kinds import RoundKind
-    from tests.distributed.transports import CASES
+    from tests.support.transports import CASES
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     device = CASES[name].device()
@@ -171,8 +171,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     from benchmarks import gpu_gather  # the rank function travels by name: not from __main__
-    from tests.distributed.harness import run_ranks
-    from tests.distributed.transports import CASES, rank_env
+    from tests.support.harness import run_ranks
+    from tests.support.transports import CASES, rank_env
 
     if not CASES[args.transport].usable():
         sys.exit(f"benchmarks/gpu_gather.py: {CASES[args.transport].why_not}; nothing was measured")

@@ -74,12 +74,12 @@ def trace_side_streams(recorder, transport, device) -> None:
 
 
 def rank_main(name, dim, layers, heads, tokens, micro_batches, steps, warmup):
-    """In a rank (tests/distributed/harness.py): train, return this rank's step reports after warm-up."""
+    """In a rank (tests/support/harness.py): train, return this rank's step reports after warm-up."""
     import deepspeed
     import torch
     import torch.distributed as tdist
 
-    from tests.distributed.transports import CASES
+    from tests.support.transports import CASES
 
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
@@ -153,8 +153,8 @@ def main(argv=None):
     parser.add_argument("--png", help="write the timeline of the last two steps here")
     args = parser.parse_args(argv)
     from benchmarks import gpu_overlap  # the rank function travels by name: not from __main__
-    from tests.distributed.harness import run_ranks
-    from tests.distributed.transports import CASES, rank_env
+    from tests.support.harness import run_ranks
+    from tests.support.transports import CASES, rank_env
 
     if not CASES[args.transport].usable():
         sys.exit(f"benchmarks/gpu_overlap.py: {CASES[args.transport].why_not}; nothing was measured")

@@ -1,6 +1,6 @@
 """ZeRO-3, ZeRO-3 with hpZ, and ODC across two hosts (2 nodes x 2 CPU ranks) under long-tailed lengths.
 
-The two hosts are the test bed's (``tests/distributed/netns.py``): network, mount and UTS namespaces on
+The two hosts are the test bed's (``tests/support/netns.py``): network, mount and UTS namespaces on
 this machine, joined by a veth pair; each host its own ``/dev/shm``. Optionally the link is throttled
 with ``tc`` (a token bucket on both ends of the veth). Every cell starts 4 fresh rank processes (2 per
 host, one thread each) that run ``balance_matrix``'s cell: the same model, lengths and planning, with
@@ -91,7 +91,7 @@ def run_cell(hosts, cell: dict, work: str, port: int, timeout_s: float) -> list:
 
 def main(argv=None) -> None:
     from benchmarks import balance_matrix as bm
-    from tests.distributed.netns import available, two_hosts
+    from tests.support.netns import available, two_hosts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="b = 1 and 4, 2 measured steps, unthrottled; no docs")

@@ -10,9 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed.compare import worst_rel_diff  # noqa: E402
-from tests.distributed.harness import run_ranks  # noqa: E402
-from tests.distributed.workloads import train_pair  # noqa: E402
+from tests.support.compare import worst_rel_diff  # noqa: E402
+from tests.support.harness import run_ranks  # noqa: E402
+from tests.support.workloads import train_pair  # noqa: E402
 
 CASES = [
     ("2 ranks, gas 1, Adam", 2, 1, {"optimizer": "adam"}),

@@ -4,9 +4,9 @@ anything, parameters never, and the host pool's high-water mark is the largest s
 import torch
 
 from ds_odc.activations import SavedProfile, decide
-from tests.distributed.activation_workloads import train_offload_variants
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import bad_configs, ds_config
+from tests.support.activation_workloads import train_offload_variants
+from tests.support.harness import run_ranks
+from tests.support.workloads import bad_configs, ds_config
 
 #: 1000 bytes: the 2- and 5-row micro-batches fit (160 saved bytes per row), the 8-row ones offload a part.
 PARTIAL = {"budget_mb": 1000 / 2 ** 20}

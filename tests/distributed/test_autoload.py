@@ -5,11 +5,11 @@ import site
 import subprocess
 import sys
 
-from tests.distributed.harness import free_port
-from tests.distributed.workloads import ds_config
+from tests.support.harness import free_port
+from tests.support.workloads import ds_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "distributed", "unmodified_zero3_script.py")
+SCRIPT = os.path.join(ROOT, "tests", "support", "unmodified_zero3_script.py")
 
 
 def _env(**extra):

@@ -1,9 +1,9 @@
 """Balanced plans drive real engines; the step recorder says where each rank's time went."""
 import pytest
 
-from tests.distributed.balance_workloads import reference_balanced, straggler_timeline, train_balanced
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import run_ranks
+from tests.support.balance_workloads import reference_balanced, straggler_timeline, train_balanced
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import run_ranks
 
 
 def test_lb_mini_uneven_micro_batches_equal_the_single_process_reference():

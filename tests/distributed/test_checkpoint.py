@@ -1,7 +1,7 @@
 """Checkpoints keep ZeRO-3's layout: round trip, resume, and zero_to_fp32 consolidation."""
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import checkpoint_roundtrip, modify_under_gathered_parameters
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.workloads import checkpoint_roundtrip, modify_under_gathered_parameters
 
 
 def test_checkpoint_round_trip_resume_and_zero_to_fp32(tmp_path):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.distributed.checkpoint_workloads import (
+from tests.support.checkpoint_workloads import (
     RESHARD_TOLERANCE,
     load_and_continue,
     load_latest,
@@ -13,8 +13,8 @@ from tests.distributed.checkpoint_workloads import (
     to_universal,
     train_and_save,
 )
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import RankFailure, run_ranks
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import RankFailure, run_ranks
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from ds_odc.integration import clean_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "distributed", "exit_script.py")
+SCRIPT = os.path.join(ROOT, "tests", "support", "exit_script.py")
 JOBS = 3
 
 

@@ -1,7 +1,7 @@
 """Every kind of bad "odc" config fails at ``deepspeed.initialize`` with a message naming the field
 (and, for a value, what is allowed); a good one still builds an engine."""
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import bad_configs, ds_config
+from tests.support.harness import run_ranks
+from tests.support.workloads import bad_configs, ds_config
 
 # name -> (config, text the error must contain)
 CASES = {

@@ -47,9 +47,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.distributed.config_fuzz_oracle import KNOWN_BUGS, WORLD, expectation, problems_of
-from tests.distributed.config_fuzz_workloads import run_configs
-from tests.distributed.harness import run_ranks
+from tests.support.config_fuzz_oracle import KNOWN_BUGS, WORLD, expectation, problems_of
+from tests.support.config_fuzz_workloads import run_configs
+from tests.support.harness import run_ranks
 
 N_VALID = 22  # plus one config per entry of FAULTS
 

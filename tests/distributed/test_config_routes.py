@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.config_route_workloads import caller_accumulated_training, framework_training, initialize_outcome
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import reference_training
+from tests.support.compare import worst_rel_diff
+from tests.support.config_route_workloads import caller_accumulated_training, framework_training, initialize_outcome
+from tests.support.harness import run_ranks
+from tests.support.workloads import reference_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWITCH = {"DS_ODC_STAGE3": "odc", "DS_ODC_OPTIONS": json.dumps({"accumulator_dtype": "fp64"})}

@@ -11,9 +11,9 @@ import sys
 import deepspeed
 import torch
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.workloads import clip_like_deepspeed, full_params
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import free_port, run_ranks
+from tests.support.workloads import clip_like_deepspeed, full_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,8 +1,8 @@
 """The cross-node step exchange on real gloo groups and a real store: 4 ranks of one host as 2 nodes of 2."""
 import torch
 
-from tests.distributed.exchange_workloads import LOCAL, NODES, _values, failure_reaches_the_other_node, one_step
-from tests.distributed.harness import run_ranks
+from tests.support.exchange_workloads import LOCAL, NODES, _values, failure_reaches_the_other_node, one_step
+from tests.support.harness import run_ranks
 
 WORLD = NODES * LOCAL
 

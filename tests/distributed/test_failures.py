@@ -2,9 +2,9 @@
 bad configs fail at initialize naming the field."""
 import pytest
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.offload_states_workloads import ends_without_destroy, leaves_training
-from tests.distributed.workloads import bad_configs, ds_config, peer_failure
+from tests.support.harness import run_ranks
+from tests.support.offload_states_workloads import ends_without_destroy, leaves_training
+from tests.support.workloads import bad_configs, ds_config, peer_failure
 
 
 @pytest.mark.parametrize("how", ["killed", "stalled"])

@@ -13,8 +13,8 @@ import psutil
 import pytest
 import torch
 
-from tests.distributed.fault_workloads import ACTIONS, PHASES, faulty_training
-from tests.distributed.harness import run_ranks
+from tests.support.fault_workloads import ACTIONS, PHASES, faulty_training
+from tests.support.harness import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 4.0  # ODC's no-progress bound in these runs

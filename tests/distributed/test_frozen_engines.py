@@ -5,10 +5,10 @@ On ZeRO-3 that shape hangs: one rank waits in the reference model's all-gather, 
 import pytest
 import torch
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.frozen_workloads import frozen_forwards, policy_with_reference, policy_with_reference_reference
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import make_model, micro_batch
+from tests.support.compare import worst_rel_diff
+from tests.support.frozen_workloads import frozen_forwards, policy_with_reference, policy_with_reference_reference
+from tests.support.harness import run_ranks
+from tests.support.workloads import make_model, micro_batch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -3,14 +3,14 @@ collective is issued inside generate, where ZeRO-3 (transformers' synced_gpus) r
 slowest rank ends and an all-reduce per token. The tokens equal one process's greedy decoding."""
 import pytest
 
-from tests.distributed.generation_workloads import (
+from tests.support.generation_workloads import (
     NEW_TOKENS,
     generate_under_sequence_parallelism,
     generate_unsynced,
     rollout_then_score,
     single_process_tokens,
 )
-from tests.distributed.harness import run_ranks
+from tests.support.harness import run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.distributed.harness import PRELOAD, run_ranks, start_method
+from tests.support.harness import PRELOAD, run_ranks, start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

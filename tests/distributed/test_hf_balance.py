@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.distributed.harness import run_ranks  # noqa: E402
-from tests.distributed.hf_balance_workloads import balanced_trainer_run, stalled_peer_during_the_step_exchanges  # noqa: E402
+from tests.support.harness import run_ranks  # noqa: E402
+from tests.support.hf_balance_workloads import balanced_trainer_run, stalled_peer_during_the_step_exchanges  # noqa: E402
 
 STEPS = 8  # an epoch is 7 steps (104 samples, 16 per step, the last step 8): this crosses it
 BUDGET_MB = 0.05  # activation offload: about half the 48-token cap's saved activations
@@ -104,7 +104,7 @@ def test_logs_show_each_ranks_micro_batches_and_utilisation(runs):
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
 def test_sft_trainer_with_balance_equals_zero3_and_a_single_process(tmp_path, padding_free):
     pytest.importorskip("trl")
-    from tests.distributed.hf_balance_workloads import sft_run
+    from tests.support.hf_balance_workloads import sft_run
 
     balance = dict(LB_MINI, token_cap=50 if padding_free else 48)  # caps at which some step's counts differ
     mini = run_ranks(sft_run, 2, "odc", str(tmp_path / "mini"), balance, padding_free, STEPS, timeout=300)
@@ -126,7 +126,7 @@ def test_a_balance_block_next_to_stage_3_is_the_marker_form_and_one_next_to_stag
 
     import ds_odc  # noqa: F401  (what the autoload does in a user's script)
     from ds_odc.errors import ODCConfigError
-    from tests.distributed.hf_balance_workloads import balance_ds_config
+    from tests.support.hf_balance_workloads import balance_ds_config
 
     config = balance_ds_config(3, None)
     config["zero_optimization"]["odc"] = {"balance": LB_MINI}

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.distributed.harness import free_port  # noqa: E402
+from tests.support.harness import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

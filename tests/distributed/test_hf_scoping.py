@@ -22,10 +22,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.distributed.harness import free_port  # noqa: E402
+from tests.support.harness import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "distributed", "hf_scoping_script.py")
+SCRIPT = os.path.join(ROOT, "tests", "support", "hf_scoping_script.py")
 BALANCE_METHODS = ["_track_num_input_tokens", "floating_point_ops", "get_batch_samples", "get_train_dataloader",
                    "log", "training_step"]
 

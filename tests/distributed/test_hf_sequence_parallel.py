@@ -5,8 +5,8 @@ numbers of micro-batches. Compared with the same Trainer on ZeRO-3 + SP, fed the
 equal counts ("lb-micro"): the same samples every step, the same logged losses, the same weights."""
 import pytest
 
-from tests.distributed import hf_sp_workloads as hf_sp
-from tests.distributed.harness import run_ranks
+from tests.support import hf_sp_workloads as hf_sp
+from tests.support.harness import run_ranks
 
 TOKEN_CAP = 26  # no two samples share a micro-batch (packing would let sdpa attend across them)
 

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.distributed.harness import run_ranks  # noqa: E402
-from tests.distributed.hf_workloads import accelerate_accumulate_both, eval_loss_of, trainer_story  # noqa: E402
+from tests.support.harness import run_ranks  # noqa: E402
+from tests.support.hf_workloads import accelerate_accumulate_both, eval_loss_of, trainer_story  # noqa: E402
 
 
 @pytest.fixture(scope="module")

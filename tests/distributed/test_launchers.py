@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.launcher_workloads import (
+from tests.support.harness import free_port, run_ranks
+from tests.support.launcher_workloads import (
     initialize_odc,
     pretend_interleaved_nodes,
     pretend_one_host_per_rank,
@@ -17,7 +17,7 @@ from tests.distributed.launcher_workloads import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "distributed", "launched_script.py")
+SCRIPT = os.path.join(ROOT, "tests", "support", "launched_script.py")
 
 
 def test_deepspeed_launcher_with_a_hostfile_on_one_node(tmp_path):

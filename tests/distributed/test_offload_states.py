@@ -9,8 +9,8 @@ there)."""
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.offload_states_workloads import (
+from tests.support.harness import run_ranks
+from tests.support.offload_states_workloads import (
     after_destroy_and_initialize,
     after_empty_partition_cache,
     after_load_module_only,

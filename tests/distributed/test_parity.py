@@ -3,9 +3,9 @@ import pytest
 
 from ds_odc.integration.surface import has
 from ds_odc.integration.surface_table import TORCH_STYLE_BACKWARD
-from tests.distributed.compare import max_rel_diff, worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import train_pair
+from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.workloads import train_pair
 
 STEPS = 10
 FP32_TOL = 1e-6

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tests.distributed.harness import RankHang, run_ranks
-from tests.distributed.workloads import ds_config, engine_kinds, hang_on_rank
+from tests.support.harness import RankHang, run_ranks
+from tests.support.workloads import ds_config, engine_kinds, hang_on_rank
 
 ODC = ("ODCEngine", 3, "ODCStage3Optimizer")
 

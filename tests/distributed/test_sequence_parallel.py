@@ -3,8 +3,8 @@ of 2. Parameters are partitioned, pulled and pushed over the whole world, as ZeR
 one SP group run the same micro-batches, different SP groups may run different counts."""
 import pytest
 
-from tests.distributed import sp_workloads as sp
-from tests.distributed.harness import run_ranks
+from tests.support import sp_workloads as sp
+from tests.support.harness import run_ranks
 
 
 def _worst(ours: dict, theirs: dict) -> float:

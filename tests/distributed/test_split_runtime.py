@@ -5,8 +5,8 @@ or one that dies inside an all-to-all, is named on every rank."""
 import pytest
 import torch
 
-from tests.distributed import split_workloads as split
-from tests.distributed.harness import run_ranks
+from tests.support import split_workloads as split
+from tests.support.harness import run_ranks
 
 
 def _assert_every_step_equal(odc, expected, tolerance=2e-6):

@@ -10,8 +10,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.protocol_workloads import (
+from tests.support.harness import free_port, run_ranks
+from tests.support.protocol_workloads import (
     destroyed_engine_releases_shared_memory,
     initialize_with,
     liveness_script,

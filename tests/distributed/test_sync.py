@@ -1,7 +1,7 @@
 """The synchronisation contract: no collective in forward/backward, a constant number per step,
 and a slow rank does not slow the others' forward/backward."""
-from tests.distributed.harness import run_ranks
-from tests.distributed.sync_workloads import count_collectives, install_collective_counter, straggler
+from tests.support.harness import run_ranks
+from tests.support.sync_workloads import count_collectives, install_collective_counter, straggler
 
 
 def _counts(stage, layers, micro_batches):

@@ -1,11 +1,11 @@
-"""The Transport contract, one suite for every transport (``tests/distributed/transports.py``), with
+"""The Transport contract, one suite for every transport (``tests/support/transports.py``), with
 real processes. shm runs everywhere; cuda_ipc runs where a CUDA device exists and is skipped, with the
 reason, elsewhere (GPU ranks share GPU 0 when there are fewer GPUs than ranks)."""
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.transport_workloads import (
+from tests.support.harness import run_ranks
+from tests.support.transport_workloads import (
     PULL_DTYPES,
     PULL_LENGTHS,
     PULL_OFFSETS,
@@ -17,7 +17,7 @@ from tests.distributed.transport_workloads import (
     reads_and_exchanges,
     window_values,
 )
-from tests.distributed.transports import CASES, TRANSPORTS, rank_env
+from tests.support.transports import CASES, TRANSPORTS, rank_env
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)

@@ -20,20 +20,20 @@ import time
 import pytest
 import torch
 
-from tests.distributed.checkpoint_workloads import (
+from tests.support.checkpoint_workloads import (
     RESHARD_TOLERANCE,
     load_and_continue,
     merged_losses,
     to_universal,
     train_and_save,
 )
-from tests.distributed.compare import max_rel_diff, worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.netns import available, two_hosts
-from tests.distributed.two_host_workloads import MASKED, UNEVEN
-from tests.distributed.workloads import reference_training
+from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.netns import available, two_hosts
+from tests.support.two_host_workloads import MASKED, UNEVEN
+from tests.support.workloads import reference_training
 
-SCRIPT = os.path.join("tests", "distributed", "two_host_workloads.py")
+SCRIPT = os.path.join("tests", "support", "two_host_workloads.py")
 BIN = os.path.dirname(sys.executable)
 TRAIN_TIMEOUT_S = 120  # a job that has not ended by then is killed and the test fails
 _ports = itertools.count(29411)  # ports of node 0's namespace: nothing else listens there

@@ -1,9 +1,9 @@
 """Ranks with different amounts of work: ODC equals the single-process reference; ZeRO-3 hangs."""
 import pytest
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import reference_training, train_uneven
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.workloads import reference_training, train_uneven
 
 TOL = 1e-6
 

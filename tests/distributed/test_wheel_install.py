@@ -26,7 +26,7 @@ import zipfile
 import pytest
 
 from ds_odc.integration.versions import DEEPSPEED_RANGE
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OP_SOURCES = {"odc_atomics.cpp", "odc_kernels.cu", "odc_kernels.h", "odc_ops.cpp"}

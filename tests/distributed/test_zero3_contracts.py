@@ -4,10 +4,10 @@ collective on ODC (a gradient fence), as they are in ZeRO-3; see "ZeRO-3 APIs" i
 import pytest
 import torch
 
-from tests.distributed import contract_workloads as contracts
-from tests.distributed.compare import assert_close_nested, worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.workloads import make_model, micro_batch, mse_mean, reference_training
+from tests.support import contract_workloads as contracts
+from tests.support.compare import assert_close_nested, worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.workloads import make_model, micro_batch, mse_mean, reference_training
 
 
 def _both(fn, *args):
@@ -73,7 +73,7 @@ def test_writes_through_collective_apis_are_seen_by_the_next_forward_and_step():
 
 
 def test_a_non_finite_gradient_on_one_rank_makes_every_rank_skip_that_step_without_a_collective():
-    from tests.distributed.sync_workloads import install_collective_counter
+    from tests.support.sync_workloads import install_collective_counter
     odc = run_ranks(contracts.overflow_on_one_rank, 2, "odc", setup=install_collective_counter)
     for rank in range(2):
         assert [s["overflow"] for s in odc[rank]] == [True, False], odc

@@ -3,9 +3,9 @@ long micro-batch's peak memory falls. Skipped without CUDA (not run yet: no GPU 
 import pytest
 import torch
 
-from tests.distributed.activation_workloads import cuda_offload_variants
-from tests.distributed.harness import run_ranks
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
+from tests.support.activation_workloads import cuda_offload_variants
+from tests.support.harness import run_ranks
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
 
 CASE = gpu_suite_case()
 pytestmark = [gpu_suite_skip(), pytest.mark.skipif(CASE.device_type != "cuda", reason="needs a CUDA device")]

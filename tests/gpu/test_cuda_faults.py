@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from tests.distributed.fault_workloads import OWNER_DIES_MID_PULL, faulty_training
-from tests.distributed.harness import run_ranks
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
+from tests.support.fault_workloads import OWNER_DIES_MID_PULL, faulty_training
+from tests.support.harness import run_ranks
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
 
 CASE = gpu_suite_case()
 pytestmark = gpu_suite_skip()

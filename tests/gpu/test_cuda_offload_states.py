@@ -5,9 +5,9 @@ checks the same protocol on ``shm`` (tests/distributed/test_offload_states.py). 
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.offload_states_workloads import device_memory_while_away, offload_round_trip
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
+from tests.support.harness import run_ranks
+from tests.support.offload_states_workloads import device_memory_while_away, offload_round_trip
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
 
 CASE = gpu_suite_case()
 pytestmark = gpu_suite_skip()

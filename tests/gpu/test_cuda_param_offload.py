@@ -5,10 +5,10 @@ run one rank on NCCL (the CPU suite compares 2 ranks: tests/distributed/test_zer
 without CUDA."""
 import pytest
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
-from tests.gpu.cuda_workloads import offload_param_training
+from tests.support.compare import worst_rel_diff
+from tests.support.cuda_workloads import offload_param_training
+from tests.support.harness import run_ranks
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
 
 CASE = gpu_suite_case()
 pytestmark = [gpu_suite_skip(), pytest.mark.skipif(CASE.device_type != "cuda", reason="needs CUDA ranks (NCCL)")]

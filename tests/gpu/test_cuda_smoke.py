@@ -4,9 +4,9 @@ not load shows within seconds, not as forty failures later. Skipped without CUDA
 kit's ``--cpu-smoke``, the same plumbing on CPU ranks)."""
 import math
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
-from tests.gpu.cuda_workloads import smoke
+from tests.support.cuda_workloads import smoke
+from tests.support.harness import run_ranks
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
 
 CASE = gpu_suite_case()
 pytestmark = gpu_suite_skip()

@@ -8,11 +8,11 @@ NCCL, the one NCCL run one GPU allows. Skipped without CUDA (run on ``shm`` by t
 """
 import pytest
 
-from tests.distributed.compare import worst_rel_diff
-from tests.distributed.harness import run_ranks
-from tests.distributed.transports import gpu_suite_case, gpu_suite_skip, rank_env
-from tests.distributed.workloads import reference_training
-from tests.gpu.cuda_workloads import train_references, train_schedule
+from tests.support.compare import worst_rel_diff
+from tests.support.cuda_workloads import train_references, train_schedule
+from tests.support.harness import run_ranks
+from tests.support.transports import gpu_suite_case, gpu_suite_skip, rank_env
+from tests.support.workloads import reference_training
 
 CASE = gpu_suite_case()
 pytestmark = gpu_suite_skip()

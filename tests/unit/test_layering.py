@@ -54,3 +54,12 @@ def test_the_check_sees_an_upward_import(tmp_path):
     imports = _imports(str(path))
     assert imports == [(2, "ds_odc.integration.engine"), (3, "deepspeed")]
     assert not _within(imports[0][1], ALLOWED["runtime"])
+
+
+@pytest.mark.parametrize("suite", ["unit", "distributed", "gpu"])
+def test_a_test_directory_holds_only_tests(suite):
+    """What the tests run (harness, workloads, scripts, transports) lives in tests/support/, apart from them."""
+    folder = os.path.join(ROOT, "tests", suite)
+    others = sorted(name for name in os.listdir(folder) if name.endswith(".py")
+                    and not name.startswith("test_") and name not in ("__init__.py", "conftest.py"))
+    assert not others, f"tests/{suite}/ holds helpers {others}: move them to tests/support/"

@@ -5,7 +5,7 @@ import torch
 from ds_odc.errors import ODCPeerError, ODCStateError
 from ds_odc.runtime import LossNormalization
 from ds_odc.runtime.residency import describe, disagreement, kinds_of, mask
-from tests.unit.loopback import LoopbackGroup, Update, runtime_for
+from tests.support.loopback import LoopbackGroup, Update, runtime_for
 
 
 def test_masks_name_the_windows():

@@ -7,7 +7,7 @@ import torch
 from ds_odc.errors import ODCPeerError, ODCStateError
 from ds_odc.runtime import LossNormalization, MicroBatchLedger, ODCRuntime, WindowLayout
 from ds_odc.runtime.phases import Event, Phase, StepStateMachine
-from tests.unit.loopback import LoopbackGroup, Update, runtime_for
+from tests.support.loopback import LoopbackGroup, Update, runtime_for
 
 
 # -- rounds outside a step: open, gradient fence, discard --------------------------------------------

@@ -11,7 +11,7 @@ from ds_odc.errors import ODCConfigError, ODCPeerError, ODCTimeoutError
 from ds_odc.integration.patching import PatchSet
 from ds_odc.integration.split_attention import AttentionShape, check_group, per_sample, split_batch
 from ds_odc.runtime.split_lockstep import OWN, ODCSplitError, parse_split_key, split_key
-from tests.unit.loopback import LoopbackGroup, runtime_for
+from tests.support.loopback import LoopbackGroup, runtime_for
 
 
 # -- the lockstep -------------------------------------------------------------------------------------------

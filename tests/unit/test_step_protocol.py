@@ -11,7 +11,7 @@ from ds_odc.runtime import LossNormalization, MicroBatchLedger
 from ds_odc.runtime.phases import TRANSITIONS, Event, Phase, StepStateMachine
 from ds_odc.runtime.round_kinds import Activity, RoundKind
 from ds_odc.runtime.step import StepProtocol
-from tests.unit.loopback import LoopbackGroup, Update, runtime_for
+from tests.support.loopback import LoopbackGroup, Update, runtime_for
 
 
 # -- the state machine ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as tdist
 from torch.utils.checkpoint import checkpoint
 
-from tests.distributed.workloads import GradProbe, Net, ds_config, full_params, micro_batch, mse_mean
+from tests.support.workloads import GradProbe, Net, ds_config, full_params, micro_batch, mse_mean
 
 #: Rows (tokens) of micro-batch ``index``: 2, 5, 8 — short ones fit a small budget, long ones do not.
 ROWS = (2, 5, 8)

@@ -14,7 +14,7 @@ import sys
 import deepspeed
 import torch.distributed as tdist
 
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 SLOTS = 4  # divides by every world size the tests use (1, 2, 4)
 RESHARD_TOLERANCE = 1e-5  # the same global batch, summed in another order (micro-batches vs ranks)

@@ -28,7 +28,7 @@ import torch.distributed as tdist
 
 from ds_odc.comm.allocation import NodeAllocation
 from ds_odc.runtime.round_kinds import RoundKind
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 PHASES = ("allocate", "forward", "pull", "push", "fence", "norm", "publish", "save")
 #: The target (an owner) is SIGKILLed in its forward while the other ranks keep pulling from its window.

@@ -1,6 +1,6 @@
 """Transport conformance workloads: the Transport contract exercised directly, no DeepSpeed engine.
 
-Every workload takes the transport's name and runs unchanged on each (``tests/distributed/transports.py``
+Every workload takes the transport's name and runs unchanged on each (``tests/support/transports.py``
 places the ranks and says where the windows live); data is made on the host with seeded generators
 and moved to the windows' device, so the test process can compute the exact expectation."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as tdist
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.comm.batch import Transfer
 from ds_odc.runtime.round_kinds import RoundKind
-from tests.distributed.transports import CASES
+from tests.support.transports import CASES
 
 #: Window dtypes the pull checks cover, and the element offsets (aligned and not) they read from.
 PULL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

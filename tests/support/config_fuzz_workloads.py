@@ -22,7 +22,7 @@ import traceback
 import deepspeed
 import torch.distributed as tdist
 
-from tests.distributed.workloads import make_model, micro_batch, mse_mean, mse_token_sum
+from tests.support.workloads import make_model, micro_batch, mse_mean, mse_token_sum
 
 
 def _where(path: str) -> str:

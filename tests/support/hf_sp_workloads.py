@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.hf_workloads import VOCAB, _gathered_state_dict, loss_recorder, tiny_llama_config
+from tests.support.hf_workloads import VOCAB, _gathered_state_dict, loss_recorder, tiny_llama_config
 
 
 class VaryingDataset(torch.utils.data.Dataset):
@@ -36,7 +36,7 @@ def _fix_gloo_all_gather_backward() -> None:
     ranks of this test only, the same function with a backward that works on any group."""
     import torch.distributed.nn.functional as dist_nn
 
-    from tests.distributed.sp_workloads import _GatherInGroup
+    from tests.support.sp_workloads import _GatherInGroup
 
     dist_nn.all_gather = lambda tensor, group=None: tuple(_GatherInGroup.apply(tensor, group).unbind(0))
 
@@ -63,7 +63,7 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
 
     from ds_odc.config import BalanceConfig
     from ds_odc.integration.hf_balance import balanced_loader
-    from tests.distributed.hf_workloads import trainer_ds_config
+    from tests.support.hf_workloads import trainer_ds_config
 
     class PlannedOnZeRO3(Trainer):
         def get_train_dataloader(self):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
 
 #: DeepSpeed's Adam (FusedAdam: what ``offload_states`` of the optimizer's states requires).
 FUSED_ADAM = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0}}
@@ -50,7 +50,7 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
     survive); include lists state names (None: every state)."""
     rank = tdist.get_rank()
     if transport is not None:  # a GPU suite's rank: its device selected before DeepSpeed places the engine
-        from tests.distributed.transports import CASES
+        from tests.support.transports import CASES
 
         CASES[transport].device()
     engine, *_ = deepspeed.initialize(model=make_model(frozen=frozen),
@@ -91,7 +91,7 @@ def rollout_round_trip(offload: bool, counts=(1, 3), steps=4, offload_at=2):
     rank r scores ``counts[r]`` micro-batches with the reference and trains on them. Before step
     ``offload_at`` both engines' states are offloaded and reloaded (when ``offload``), as RL frameworks do
     around a rollout. Returns the losses and the policy's parameters after every step."""
-    from tests.distributed.frozen_workloads import RELEASED, frozen_config
+    from tests.support.frozen_workloads import RELEASED, frozen_config
 
     rank = tdist.get_rank()
     reference_config = frozen_config("odc")
@@ -233,7 +233,7 @@ def _steps(engine, first, steps, record):
 def after_empty_partition_cache(call: bool, steps: int = 4):
     """Train; before step 2 (when ``call``) ``engine.empty_partition_cache()`` on the policy and on a frozen
     reference whose forwards feed nothing (its gathered parameters are dropped too)."""
-    from tests.distributed.frozen_workloads import frozen_config
+    from tests.support.frozen_workloads import frozen_config
 
     reference, *_ = deepspeed.initialize(model=make_model(seed=7), config=frozen_config("odc"))
     engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
@@ -283,7 +283,7 @@ def device_memory_while_away(transport: str, hidden: int = 2048):
     """On a GPU transport: the device's free memory before offload_states, while the windows are away, and
     after reload_states (every rank between barriers, so that both ranks' windows are counted), and the
     windows' bytes per rank."""
-    from tests.distributed.transports import CASES
+    from tests.support.transports import CASES
 
     device = CASES[transport].device()
     engine, *_ = deepspeed.initialize(model=make_model(hidden=hidden, frozen=False),

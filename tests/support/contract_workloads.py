@@ -13,7 +13,7 @@ from deepspeed.utils import (
     safe_set_full_grad,
 )
 
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 MICRO_BATCHES = 2  # per step and rank, unless a workload says otherwise
 
@@ -119,7 +119,7 @@ def overflow_on_one_rank(stage):
     DeepSpeed's CPU accelerator refuses fp16 engines) with a non-finite gradient on rank 0 only:
     every rank must skip the same step, then train on. Returns, per step, whether this rank saw an
     overflow and whether its parameters moved, and the collectives its steps issued."""
-    from tests.distributed import sync_workloads
+    from tests.support import sync_workloads
     engine = _engine(stage, clip=0.0)
     engine.optimizer.dtype = torch.float16
     counter = sync_workloads._counter

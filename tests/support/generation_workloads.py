@@ -10,8 +10,8 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
-from tests.distributed.frozen_workloads import RELEASED
-from tests.distributed.workloads import ds_config
+from tests.support.frozen_workloads import RELEASED
+from tests.support.workloads import ds_config
 
 VOCAB = 128
 #: new tokens per rank: rank 0 ends after 3, rank 1 after 24
@@ -49,7 +49,7 @@ class _Counted:
     """Forwards of the model and collectives of torch.distributed while it is active."""
 
     def __init__(self, model):
-        from tests.distributed.sync_workloads import COLLECTIVES
+        from tests.support.sync_workloads import COLLECTIVES
 
         self.forwards = 0
         self.collectives = 0
@@ -156,7 +156,7 @@ def generate_under_sequence_parallelism():
     built beside it (ALST's attention is process-wide), is refused by name; with an explicit ``synced_gpus``
     the caller takes it over. Returns the error each raised."""
     from ds_odc.errors import ODCConfigError
-    from tests.distributed import sp_workloads
+    from tests.support import sp_workloads
 
     reference = sp_workloads.reference_engine()
     policy, _ = sp_workloads.sp_engine("odc")

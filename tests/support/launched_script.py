@@ -8,7 +8,7 @@ import deepspeed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean  # noqa: E402
+from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean  # noqa: E402
 
 
 def main():

@@ -10,7 +10,7 @@ import os
 import deepspeed
 import torch.distributed as tdist
 
-from tests.distributed.workloads import full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import full_params, make_model, micro_batch, mse_mean
 
 
 def framework_ds_config(zero_stage: int, odc_block=None) -> dict:

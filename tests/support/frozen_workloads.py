@@ -7,7 +7,7 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
 
 RELEASED = {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0}
 

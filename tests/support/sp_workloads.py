@@ -341,7 +341,7 @@ class GroupedCollectiveCounter:
         import torch.distributed as tdist
         import torch.distributed.distributed_c10d as c10d
 
-        from tests.distributed.sync_workloads import COLLECTIVES
+        from tests.support.sync_workloads import COLLECTIVES
 
         self.inside = self.outside = 0
         for name in COLLECTIVES:

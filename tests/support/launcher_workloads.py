@@ -4,7 +4,7 @@ import socket
 
 import deepspeed
 
-from tests.distributed.workloads import ds_config, make_model
+from tests.support.workloads import ds_config, make_model
 
 
 def pretend_one_host_per_rank():

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import ds_odc.metrics
 from ds_odc.balance import BalancedBatchSampler, CostModel
-from tests.distributed.workloads import (
+from tests.support.workloads import (
     IN,
     OUT,
     clip_like_deepspeed,

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.sp_workloads import full_parameters, tiny_llama
+from tests.support.sp_workloads import full_parameters, tiny_llama
 
 VOCAB, IGNORE, CAP, LR = 61, -100, 40, 0.05
 
@@ -235,7 +235,7 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2) ->
     among them)."""
     from transformers import DataCollatorWithFlattening, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from tests.distributed.hf_balance_workloads import (
+    from tests.support.hf_balance_workloads import (
         LongTailedDataset,
         _full_parameters,
         balance_ds_config,

@@ -8,7 +8,7 @@ reason (``cuda_ipc`` without a CUDA device), never silently dropped.
 Placement of GPU ranks: DeepSpeed's CUDA accelerator, gloo for the (start-up only) collectives and,
 when there are fewer GPUs than ranks, every rank on GPU 0 (processes may share one GPU through CUDA
 IPC; NCCL could not). A run whose environment names the CUDA accelerator is spawned, not forked from
-the CPU-preloaded forkserver (``tests/distributed/harness.py``).
+the CPU-preloaded forkserver (``tests/support/harness.py``).
 
 The training, fault and smoke tests of ``tests/gpu`` run on :func:`gpu_suite_case`: ``cuda_ipc``, or the
 transport named by ``ODC_GPU_SUITE_TRANSPORT`` (the validation kit's ``--cpu-smoke`` sets ``shm``, so

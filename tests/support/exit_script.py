@@ -2,7 +2,7 @@
 losses), without ``destroy_process_group()``. Without ds_odc's exit hook this aborted at interpreter exit with
 "terminate called without an active exception" in about 3 runs of 4 (ds_odc/integration/clean_exit.py).
 
-``python -m torch.distributed.run --nproc_per_node 2 tests/distributed/exit_script.py [odc|3]``"""
+``python -m torch.distributed.run --nproc_per_node 2 tests/support/exit_script.py [odc|3]``"""
 import sys
 
 import deepspeed

@@ -9,7 +9,7 @@ import torch.distributed as tdist
 
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.runtime import MicroBatchLedger, ODCRuntime, StepUpdate, WindowLayout
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
 
 
 def _error(err: BaseException) -> tuple:
@@ -131,7 +131,7 @@ def liveness_script() -> str:
     return r'''
 import os, sys, time, json
 import deepspeed, torch, ds_odc
-from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 deepspeed.init_distributed("gloo")
 rank = int(os.environ["RANK"])
 engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", managed=False, odc={"timeout_s": 60}))
@@ -161,7 +161,7 @@ def uncaught_exception_script() -> str:
     return r'''
 import os, time, json
 import deepspeed, torch, ds_odc
-from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 deepspeed.init_distributed("gloo")
 rank = int(os.environ["RANK"])
 engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", managed=False, odc={"timeout_s": 60}))
@@ -210,7 +210,7 @@ def soak(steps: int, rss_after: int):
 def soak_reference(steps: int, world: int, lr: float = 1e-3, clip: float = 1.0) -> dict:
     """The same updates in one process, on the global batch of each step (plain PyTorch, float64
     accumulation of the micro-batch gradients as the fp64 accumulators do)."""
-    from tests.distributed.workloads import clip_like_deepspeed
+    from tests.support.workloads import clip_like_deepspeed
 
     model = make_model()
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -89,7 +89,7 @@ import deepspeed  # noqa: E402  the autoload imports ds_odc here
 import torch  # noqa: E402
 from transformers import LlamaForCausalLM, TrainingArguments  # noqa: E402
 
-from tests.distributed.hf_workloads import CountingDataset, tiny_llama_config, trainer_ds_config  # noqa: E402
+from tests.support.hf_workloads import CountingDataset, tiny_llama_config, trainer_ds_config  # noqa: E402
 
 result["ds_odc_imported"] = "ds_odc" in sys.modules
 output = tempfile.mkdtemp(prefix="ds_odc_scoping_")

@@ -63,7 +63,7 @@ def train(stage, out_dir):
     import torch
     import torch.distributed as tdist
 
-    from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+    from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -132,7 +132,7 @@ def cases(names, out_dir):
     import torch
     import torch.distributed as tdist
 
-    from tests.distributed import checkpoint_workloads, offload_states_workloads, sync_workloads, workloads
+    from tests.support import checkpoint_workloads, offload_states_workloads, sync_workloads, workloads
 
     torch.set_num_threads(1)
     counting = "collectives" in names.split(",")
@@ -172,7 +172,7 @@ def memory_per_rank():
     import deepspeed
     import torch
 
-    from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+    from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
     engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=ds_config("odc", bf16=True))
     x, y, _ = micro_batch(0, torch.distributed.get_rank(), 0)
@@ -208,7 +208,7 @@ def initialize_outcome():
     (no error: the engine is destroyed again). The model's windows need ~100 KB per rank."""
     import deepspeed
 
-    from tests.distributed.workloads import ds_config, make_model
+    from tests.support.workloads import ds_config, make_model
 
     result = {"error": None, "message": "", "host": socket.gethostname()}
     try:
@@ -229,7 +229,7 @@ def killed_on_node1(out_dir, victim=3):
     import deepspeed
     import torch.distributed as tdist
 
-    from tests.distributed.workloads import _train_steps, ds_config, make_model, micro_batch, mse_mean
+    from tests.support.workloads import _train_steps, ds_config, make_model, micro_batch, mse_mean
 
     rank = tdist.get_rank()
     engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc={"timeout_s": 60}))

@@ -1,13 +1,13 @@
 """What the ranks run in the GPU training tests (the transport contract's workloads are shared
-with every transport: tests/distributed/transport_workloads.py).
+with every transport: tests/support/transport_workloads.py).
 
-Ranks are started by tests/distributed/harness.py with ``env=rank_env(name, world)`` (placement:
-tests/distributed/transports.py): on ``cuda_ipc`` they are spawned with DeepSpeed's CUDA accelerator,
+Ranks are started by tests/support/harness.py with ``env=rank_env(name, world)`` (placement:
+tests/support/transports.py): on ``cuda_ipc`` they are spawned with DeepSpeed's CUDA accelerator,
 so ``engine.device`` is the rank's GPU and every batch is moved there. The same functions run on ``shm``
 (CPU ranks) when the validation kit's ``--cpu-smoke`` asks for it.
 
 A *schedule* lists, per rank, the micro-batches it runs each step, as (data rank, index) pairs of
-:func:`~tests.distributed.workloads.micro_batch`: the same global batch split differently over ranks
+:func:`~tests.support.workloads.micro_batch`: the same global batch split differently over ranks
 must give the same update, so a one-rank run of the concatenated schedule is the reference.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import torch
 import torch.distributed as tdist
 
-from tests.distributed.transports import CASES
-from tests.distributed.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+from tests.support.transports import CASES
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
 
 MODES = ("managed", "token")
 

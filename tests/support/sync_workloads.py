@@ -7,7 +7,7 @@ import time
 import deepspeed
 import torch.distributed as tdist
 
-from tests.distributed.workloads import ds_config, make_model, micro_batch, mse_mean
+from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
 # -- op counting -----------------------------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",

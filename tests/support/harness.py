@@ -101,9 +101,9 @@ def _tail(path: str, lines: int = 25) -> str:
 #: obvious ones, building the first optimizer imports torch._dynamo (torch.optim's compile guard) and
 #: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded. First of all,
 #: forkserver_setup keeps those imports from initialising CUDA (see there).
-PRELOAD = ["tests.distributed.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine",
+PRELOAD = ["tests.support.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine",
            "deepspeed.runtime.zero.stage3",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.distributed.workloads"]
+           "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.support.workloads"]
 
 
 BACKENDS = ("gloo", "nccl")
