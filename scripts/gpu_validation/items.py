@@ -9,8 +9,8 @@ copy -> overlap from the CUDA-event timeline.
 Second command (``--second``, default budget 290 s, only if time is left): one rank on NCCL, activation
 offload (test and peak-memory benchmark), parameter offload with the model on the GPU against ZeRO-3,
 batched gathers, the rest of the fault matrix, offload_states / reload_states on cuda_ipc (the windows freed
-and mapped again), a JIT build into an empty folder, compute-sanitizer over the kernel sweep. Not written
-yet: fp16 against ZeRO-3 fp16 with an injected inf step (the engine still refuses fp16).
+and mapped again), fp16 against ZeRO-3's fp16 with an overflow step (the refusal lifted for the run), a JIT
+build into an empty folder, compute-sanitizer over the kernel sweep.
 
 The same lists run in the CPU smoke run (``shm``, smaller selections; the CUDA-only items report themselves
 not measurable). Every item runs from the copy of the tests that the set-up lays out (``Context.suite``),
@@ -222,6 +222,9 @@ def second(ctx: Context) -> List[Item]:
         ctx.pytest("offload-states", "engine.offload_states() / reload_states() on cuda_ipc: the windows' device "
                    "memory is free while away, and training after the calls equals training without, bit for bit",
                    ["tests/gpu/test_cuda_offload_states.py"], None, 40, world=2),
+        ctx.pytest("fp16", "fp16 (DS_ODC_EXPERIMENTAL_FP16=1) against ZeRO-3's fp16 with an overflow step, one rank "
+                   "on NCCL: the same steps skipped, the same loss scales, the same parameters",
+                   ["tests/gpu/test_cuda_fp16.py"], None, 25),
         # -- Later items go here, before the two slow checks below.
         jit,
         memcheck,

@@ -119,3 +119,31 @@ def offload_param_training(name, stage, micro_batches, steps=3):
               "params": {k: v.cpu() for k, v in full_params(engine).items()}}
     engine.destroy()
     return record
+
+
+def fp16_training(name, stage, steps=4, overflow_step=1):
+    """fp16 with dynamic loss scaling on the rank's device (``stage`` "odc" or 3), Adam, one micro-batch a
+    step, unmanaged accumulation. At ``overflow_step`` the loss is multiplied by inf, so every gradient
+    overflows: the step must be skipped and the loss scale halved, as ZeRO-3 does. Returns, per step, the loss,
+    the loss scale after the step and the skipped-step count, the optimizer's class and the full fp32
+    parameters at the end. The odc stage refuses fp16 unless ``DS_ODC_EXPERIMENTAL_FP16=1``."""
+    CASES[name].device()
+    import deepspeed
+
+    config = ds_config(stage, gas=1, managed=False)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 1,
+                      "min_loss_scale": 1}
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+    device, dtype = engine.device, engine.module.inp.weight.dtype
+    trace = []
+    for step in range(steps):
+        x, y, _ = micro_batch(step, 0, 0)
+        loss = mse_mean(engine(x.to(device, dtype)), y.to(device))
+        engine.backward(loss * float("inf") if step == overflow_step else loss)
+        engine.step()
+        trace.append({"loss": loss.item(), "scale": float(engine.optimizer.loss_scale),
+                      "skipped": int(engine.skipped_steps)})
+    record = {"dtype": str(dtype), "optimizer": type(engine.optimizer).__name__, "trace": trace,
+              "params": {k: v.cpu() for k, v in full_params(engine).items()}}
+    engine.destroy()
+    return record

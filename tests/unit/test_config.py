@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from ds_odc.config import ODCConfig, canonicalize, is_odc_config, parse_options
+from ds_odc.config import ENV_EXPERIMENTAL_FP16, ODCConfig, canonicalize, is_odc_config, parse_options
 from ds_odc.errors import ODCConfigError
 
 
@@ -170,3 +170,15 @@ def test_the_autoload_and_the_accelerate_patch_ask_what_canonicalize_answers(con
         assert asked, "a config ds_odc refuses for its odc options or switch must reach ds_odc, which names why"
     else:
         assert asked == (answer is not None)
+
+
+def test_fp16_is_refused_unless_the_experimental_switch_lets_it_through(monkeypatch):
+    config = {"zero_optimization": {"stage": "odc"}, "fp16": {"enabled": True}}
+    monkeypatch.delenv(ENV_EXPERIMENTAL_FP16, raising=False)
+    with pytest.raises(ODCConfigError, match="fp16.enabled=True"):
+        canonicalize(copy.deepcopy(config))
+    monkeypatch.setenv(ENV_EXPERIMENTAL_FP16, "yes")  # only "1" lets it through
+    with pytest.raises(ODCConfigError, match="fp16.enabled=True"):
+        canonicalize(copy.deepcopy(config))
+    monkeypatch.setenv(ENV_EXPERIMENTAL_FP16, "1")  # the GPU kit's fp16 item
+    assert canonicalize(copy.deepcopy(config)) is not None
