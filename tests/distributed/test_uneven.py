@@ -32,5 +32,5 @@ def test_per_token_normalisation_with_unequal_and_zero_tokens():
 
 def test_zero3_hangs_where_odc_does_not():
     """The same uneven script under ZeRO-3: ranks block in mismatched collectives."""
-    report = run_ranks(train_uneven, 2, 3, "unmanaged", (1, 3), timeout=45, report=True)
+    report = run_ranks(train_uneven, 2, 3, "unmanaged", (1, 3), timeout=20, report=True)  # ODC: ~3 s
     assert report.hung_ranks, f"ZeRO-3 was expected to hang on uneven micro-batch counts: {report.outcomes}"
