@@ -221,8 +221,15 @@ class ODCEngine(DeepSpeedEngine):
             raise
         if offload is not None:
             offload.after_backward(retain_graph)
-        optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
+        optimizer.odc.record_micro_batch(decided.rule, decided.tokens, shared=self._odc_shares_the_micro_batch())
         return result
+
+    def _odc_shares_the_micro_batch(self) -> bool:
+        """Whether this rank runs the current micro-batch as a member of a split one other than the first: the
+        first member's record counts its samples, so ``global_samples`` counts them once."""
+        split = self._odc_state.split
+        entry = split.lockstep.entry if split is not None else None
+        return entry is not None and split is not None and split.rank != min(entry.members)
 
     def forward(self, *inputs, **kwargs):
         """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep (:mod:`ds_odc.runtime.lockstep`:
@@ -396,7 +403,8 @@ class ODCEngine(DeepSpeedEngine):
     def _backward_post_hook(self):
         if not self._running_engine_backward and self.odc_trains:  # a torch-style loss.backward()
             decided = self._odc_rule_for_backward(scale_wrt_gas=True)
-            self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens)
+            self.optimizer.odc.record_micro_batch(decided.rule, decided.tokens,
+                                                  shared=self._odc_shares_the_micro_batch())
             activations = self._odc_state.activations
             if activations is not None:
                 activations.after_backward()
@@ -411,8 +419,10 @@ class ODCEngine(DeepSpeedEngine):
             activations.at_step()
         with self.optimizer.step_context() as step:
             super()._take_model_step(lr_kwargs)
-        if step.totals is not None:  # every rank of an SP group counted the same micro-batches: count each once
-            micro_batches = step.totals.total_micro_batches // sequence_parallel.sequence_parallel_size(self)
+        if step.totals is not None:  # the ranks of an SP group, or a split micro-batch's members: count it once
+            totals = step.totals
+            micro_batches = ((totals.total_micro_batches - totals.shared_micro_batches)
+                             // sequence_parallel.sequence_parallel_size(self))
             self.global_samples = samples_before + self.train_micro_batch_size_per_gpu() * micro_batches
 
     def _backward_epilogue(self):

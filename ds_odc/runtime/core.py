@@ -139,9 +139,10 @@ class ODCRuntime:
         self.pushes += 1
         self.transport.heartbeat()
 
-    def record_micro_batch(self, rule: LossNormalization, tokens: int = 0) -> None:
-        """One backward finished on this rank, under ``rule`` (see :mod:`ds_odc.runtime.ledger`)."""
-        self.protocol.record_micro_batch(rule, tokens)
+    def record_micro_batch(self, rule: LossNormalization, tokens: int = 0, shared: bool = False) -> None:
+        """One backward finished on this rank, under ``rule`` (see :mod:`ds_odc.runtime.ledger`); ``shared``:
+        as a member of a split micro-batch other than its first."""
+        self.protocol.record_micro_batch(rule, tokens, shared)
 
     # -- together --------------------------------------------------------------------------------------
     def step(self, update: StepUpdate) -> StepTotals:

@@ -29,8 +29,8 @@ class LossNormalization(enum.IntEnum):
     TOKEN = 2
 
 
-#: Layout of a rank's contribution to the fence: micro-batches per rule, then loss tokens.
-FENCE_WIDTH = len(LossNormalization) + 1
+#: Layout of a rank's contribution to the fence: micro-batches per rule, loss tokens, then shared micro-batches.
+FENCE_WIDTH = len(LossNormalization) + 2
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class StepTotals:
     micro_batches: tuple  # per LossNormalization
     tokens: int
     per_rank_micro_batches: tuple  # all rules together, one entry per rank
+    #: micro-batches recorded by a member of a split micro-batch other than its first: the same samples as the
+    #: first member's record, so counting samples leaves them out (the divisors do not: see TOKEN)
+    shared_micro_batches: int = 0
 
     @property
     def total_micro_batches(self) -> int:
@@ -79,19 +82,23 @@ class MicroBatchLedger:
     def reset(self) -> None:
         self.counts = [0] * len(LossNormalization)
         self.tokens = 0
+        self.shared = 0
 
-    def record(self, rule: LossNormalization, tokens: int = 0) -> None:
+    def record(self, rule: LossNormalization, tokens: int = 0, shared: bool = False) -> None:
+        """One backward; ``shared``: this rank ran it as a member of a split micro-batch other than the first
+        (its samples are the first member's too)."""
         if tokens < 0:
             raise ValueError(f"loss_tokens must be >= 0, got {tokens}")
         self.counts[rule] += 1
         self.tokens += tokens
+        self.shared += int(shared)
 
     @property
     def micro_batches(self) -> int:
         return sum(self.counts)
 
     def fence_vector(self) -> torch.Tensor:
-        return torch.tensor(self.counts + [self.tokens], dtype=torch.float64)
+        return torch.tensor(self.counts + [self.tokens, self.shared], dtype=torch.float64)
 
     @staticmethod
     def totals(rows: torch.Tensor) -> StepTotals:
@@ -99,4 +106,5 @@ class MicroBatchLedger:
         summed = rows.sum(0)
         counts = tuple(int(round(x)) for x in summed[:len(LossNormalization)].tolist())
         per_rank = tuple(int(round(x)) for x in rows[:, :len(LossNormalization)].sum(1).tolist())
-        return StepTotals(counts, int(round(summed[len(LossNormalization)].item())), per_rank)
+        tokens, shared = (int(round(x)) for x in summed[len(LossNormalization):len(LossNormalization) + 2].tolist())
+        return StepTotals(counts, tokens, per_rank, shared)

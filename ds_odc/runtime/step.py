@@ -155,9 +155,9 @@ class StepProtocol:
         self._discarded = None  # a micro-batch after the discard: the step cannot restore it
         self._note(Activity.MICRO_BATCHES)
 
-    def record_micro_batch(self, rule, tokens: int = 0) -> None:
+    def record_micro_batch(self, rule, tokens: int = 0, shared: bool = False) -> None:
         self._usable()
-        self.ledger.record(rule, tokens)
+        self.ledger.record(rule, tokens, shared)
         self._note(Activity.MICRO_BATCHES, force=True)
 
     # -- the step ------------------------------------------------------------------------------------------

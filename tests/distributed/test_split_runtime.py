@@ -28,6 +28,10 @@ def test_one_sample_split_over_two_ranks_the_rest_whole_equals_one_process_with_
     assert odc[0]["counts"] == [[2, 1], [1, 1], [2, 1]]  # rank 0's entries each step (members of each)
     assert [[len(odc[rank]["counts"][step]) for rank in range(4)] for step in range(3)] == \
         [[2, 1, 2, 1], [2, 1, 1, 2], [2, 2, 1, 1]]  # micro-batches per rank: uneven
+    # global_samples counts each micro-batch of the plans once, a split one too (not once per member)
+    planned = [len(split.plan(step).splits) + sum(map(len, split.plan(step).whole)) for step in range(3)]
+    expected_samples = [sum(planned[:step + 1]) for step in range(3)]
+    assert [odc[rank]["global_samples"] for rank in range(4)] == [expected_samples] * 4, planned
     seen = 0
     for rank in range(4):
         for step, sequence, part, logits in odc[rank]["reference_logits"]:

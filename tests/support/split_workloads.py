@@ -87,8 +87,9 @@ def frozen_reference():
 
 
 def train(steps: int = 3, checkpointing: bool = False, reference: bool = False) -> dict:
-    """Every rank runs its list of each step's plan. Returns the parameters after every step, and with
-    ``reference`` the frozen model's logits on this rank's slice of every split micro-batch."""
+    """Every rank runs its list of each step's plan. Returns the parameters and ``engine.global_samples`` after
+    every step, and with ``reference`` the frozen model's logits on this rank's slice of every split
+    micro-batch."""
     import deepspeed
     import torch.distributed as dist
 
@@ -100,7 +101,7 @@ def train(steps: int = 3, checkpointing: bool = False, reference: bool = False) 
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
-    history, reference_logits, counts = [], [], []
+    history, reference_logits, counts, samples = [], [], [], []
     for step in range(steps):
         step_plan = plan(step)
         mine = step_plan.for_rank(rank)
@@ -121,10 +122,11 @@ def train(steps: int = 3, checkpointing: bool = False, reference: bool = False) 
                 engine.backward(loss + extra, loss_tokens=tokens)
         engine.step()
         history.append(full_parameters(engine))
+        samples.append(engine.global_samples)
     engine.destroy()
     if ref is not None:
         ref.destroy()
-    return {"params": history, "reference_logits": reference_logits, "counts": counts}
+    return {"params": history, "reference_logits": reference_logits, "counts": counts, "global_samples": samples}
 
 
 def one_process(steps: int = 3) -> dict:

@@ -3,6 +3,7 @@ import torch
 
 from ds_odc.errors import ODCPeerError
 from ds_odc.runtime import LossNormalization, MicroBatchLedger, WindowLayout, owner_slices
+from ds_odc.runtime.ledger import FENCE_WIDTH
 
 
 @pytest.mark.parametrize("numel,world", [(1, 1), (1, 4), (5, 2), (53, 4), (64, 4), (7, 3)])
@@ -28,7 +29,9 @@ def test_window_layout_puts_trainable_first_and_same_offsets_for_every_owner():
 
 
 def _totals(*rows):
-    return MicroBatchLedger.totals(torch.stack([torch.tensor(r, dtype=torch.float64) for r in rows]))
+    """Fence rows: micro-batches per rule, tokens, and shared micro-batches (0 where a row leaves it out)."""
+    return MicroBatchLedger.totals(torch.stack([torch.tensor(r + [0] * (FENCE_WIDTH - len(r)), dtype=torch.float64)
+                                                for r in rows]))
 
 
 def test_normalisation_divisors_follow_the_documented_rules():
@@ -43,6 +46,14 @@ def test_normalisation_divisors_follow_the_documented_rules():
     assert _totals([0, 0, 0, 0], [0, 0, 0, 0]).gradient_divisor(2) == 1.0
     totals = _totals([1, 0, 0, 0], [3, 0, 0, 0])
     assert totals.per_rank_micro_batches == (1, 3) and totals.total_micro_batches == 4
+    assert totals.shared_micro_batches == 0
+
+
+def test_shared_micro_batches_are_summed_apart_and_change_no_divisor():
+    # ranks 0 and 1 ran one split micro-batch together (rank 1's record shared), rank 1 one of its own
+    totals = _totals([0, 0, 1, 6, 0], [0, 0, 2, 9, 1])
+    assert totals.total_micro_batches == 3 and totals.shared_micro_batches == 1
+    assert totals.gradient_divisor(2) == 7.5  # tokens: each member counted its own slice's
 
 
 def test_mixed_rules_in_one_step_are_an_error():
@@ -53,8 +64,8 @@ def test_mixed_rules_in_one_step_are_an_error():
 def test_ledger_records_and_resets():
     ledger = MicroBatchLedger()
     ledger.record(LossNormalization.TOKEN, 5)
-    ledger.record(LossNormalization.TOKEN, 0)
-    assert ledger.fence_vector().tolist() == [0, 0, 2, 5]
+    ledger.record(LossNormalization.TOKEN, 0, shared=True)
+    assert ledger.fence_vector().tolist() == [0, 0, 2, 5, 1]
     ledger.reset()
     assert ledger.micro_batches == 0
     with pytest.raises(ValueError):
