@@ -1,4 +1,4 @@
-"""Splitting only the long samples (issue 30, item 1), simulated: ODC + the split planner against ODC + LB-Mini,
+"""Splitting only the long samples, simulated: ODC + the split planner against ODC + LB-Mini,
 ZeRO-3 + LB-Micro and fixed Ulysses SP of 2, 4 and 8, at 8/16/32 ranks and 1/2/4/8 samples per rank.
 
     .venv/bin/python benchmarks/split_projection.py            # updates the section in docs/benchmarks.md

@@ -1,7 +1,7 @@
 """Projection of splitting only the long samples (``ds_odc.balance.split``) against whole-sample balancing
 and fixed sequence parallelism, on the golden setting's machine.
 
-A split plan is replayed as the runtime (issue 30, item 2) will run it: every rank runs its split
+A split plan is replayed as the runtime (``ds_odc/integration/split_attention.py``) runs it: every rank runs its split
 micro-batches first, in the plan's order, each starting when its last member is free; then its whole
 ones back to back. A micro-batch runs on the ODC timeline of :mod:`benchmarks.sim.timeline` (its own
 pulls and pushes per layer, prefetched one layer ahead) with compute = its cost under the plan's cost

@@ -91,7 +91,7 @@ class Context:
         return f"{world} ranks on {self.gpus} GPU(s): {self.sharing['why']}"
 
     def time_slice_note(self, world: int) -> str:
-        """Issue 26, item 13: ranks sharing one GPU without MPS take turns on it."""
+        """Ranks sharing one GPU without MPS take turns on it."""
         if self.cpu_smoke or self.gpus >= world or not self.sharing["time_sliced"]:
             return ""
         return (f"{world} ranks share {self.gpus} GPU(s) without MPS: the GPU time-slices their contexts, so their "

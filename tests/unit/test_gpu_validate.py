@@ -219,7 +219,7 @@ def bandwidth_run(tmp_path, push_over_add, gpus=1, pull_over_peer=None):
 
 
 def test_push_is_held_against_a_local_add_and_pull_is_not_measurable_on_one_gpu(tmp_path):
-    """Issue 26, item 6: a push moves what acc.add_(grad) moves (a copy moves 2/3 of it, so push/copy could
+    """A push moves what acc.add_(grad) moves (a copy moves 2/3 of it, so push/copy could
     never reach 80%); on one GPU a pull is a device-to-device copy, so its ratio is not measured."""
     verdict = verdicts.bandwidth_verdict(bandwidth_run(tmp_path, push_over_add=0.85))
     assert verdict.status == Status.PASS and verdict.figures["push_over_add"] == pytest.approx(0.85)
@@ -239,7 +239,7 @@ def overlap_run(tmp_path, timing="cuda-events", ratio=1.02, pull=0.9, push=0.85,
 
 
 def test_the_overlap_verdict_needs_a_sound_timeline_and_meets_the_target(tmp_path):
-    """Issue 26, item 5: the verdict passed whatever came out (a timeline of 32 s for a 21 s run)."""
+    """The verdict passed whatever came out (a timeline of 32 s for a 21 s run)."""
     assert verdicts.overlap_verdict(overlap_run(tmp_path)).status == Status.PASS
     wrong = verdicts.overlap_verdict(overlap_run(tmp_path, ratio=32 / 21))
     assert wrong.status == Status.FAIL and "not sound" in wrong.error and "1.52x" in wrong.error
@@ -251,7 +251,7 @@ def test_the_overlap_verdict_needs_a_sound_timeline_and_meets_the_target(tmp_pat
 
 
 def test_a_jit_item_that_compiled_nothing_fails():
-    """Issue 26, item 4: the operator was already in the folder, and the item passed."""
+    """The operator was already in the folder, and the item passed."""
     figures = {"problems": [], "ops": {"ds_odc_cuda_ipc": {"required": True, "cached_before": True, "build_s": 0.1,
                                                            "directory": "d", "compiled": False}}}
     verdict = verdicts.jit_verdict(Run(0, 1.0, "JIT_PROBE " + json.dumps(figures)))
@@ -286,7 +286,7 @@ def smi(rows):
 
 
 def test_compute_mode_and_mig_are_read_and_exclusive_mode_makes_shared_gpu_items_not_measurable():
-    """Issue 26, item 12: in Exclusive_Process mode several ranks cannot share the GPU; say so, never fail."""
+    """In Exclusive_Process mode several ranks cannot share the GPU; say so, never fail."""
     from gpu_validation import environment, items
 
     view = environment.nvidia_smi_view(smi([["NVIDIA H100 80GB HBM3", "580.159.04", "81559 MiB", "Exclusive_Process",
@@ -309,7 +309,7 @@ def test_compute_mode_and_mig_are_read_and_exclusive_mode_makes_shared_gpu_items
 
 
 def test_ranks_time_sliced_on_one_gpu_are_said_to_be(tmp_path):
-    """Issue 26, item 13: without MPS a pass of concurrent pushes on one GPU does not show concurrency."""
+    """Without MPS a pass of concurrent pushes on one GPU does not show concurrency."""
     from gpu_validation import items
 
     machine = {"gpus": 1, "sharing": {"shared": True, "why": "", "time_sliced": True, "mig": False}}

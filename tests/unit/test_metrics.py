@@ -244,7 +244,7 @@ def uneven_step(recorder, gpu, clock, micro_batches):
 
 
 def test_shared_and_first_marks_resolve_once_and_steps_of_more_marks_stay_right(fake_clock, gpu_recorder):
-    """Issue 26, item 5: a step's first mark is also a span's start, and one mark ends a micro-batch and
+    """A step's first mark is also a span's start, and one mark ends a micro-batch and
     starts the next. Returned to the free list once per use, one event came back twice: a step with more
     marks than the one before then recorded two live marks on one event (the earlier span took the later
     time) and the free list grew every step."""
