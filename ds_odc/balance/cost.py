@@ -73,18 +73,21 @@ def fit_cost_model(measure: Callable[[int], float], lengths: Sequence[int], repe
         raise ODCError(f"fit_cost_model needs at least 3 distinct lengths to fit 3 coefficients, got {lengths}")
     if lengths[0] < 1:
         raise ODCError(f"fit_cost_model: lengths must be >= 1, got {lengths[0]}")
-    times = []
-    for length in lengths:
-        for _ in range(warmup):
-            measure(length)
-        samples = sorted(measure(length) for _ in range(max(1, repeats)))
-        times.append(samples[len(samples) // 2])
+    times = [median_time(measure, length, repeats, warmup) for length in lengths]
     per_micro_batch, quadratic, linear = nonnegative_least_squares(
         [[1.0, float(s) ** 2, float(s)] for s in lengths], times)
     if quadratic == 0 and linear == 0:
         raise ODCError(f"fit_cost_model: measured times {times} do not grow with length {lengths}; "
                        "measure longer samples")
     return CostModel(quadratic=quadratic, linear=linear, per_micro_batch=per_micro_batch)
+
+
+def median_time(measure: Callable[[int], float], size: int, repeats: int, warmup: int) -> float:
+    """The median of ``repeats`` calls of ``measure(size)`` after ``warmup`` discarded ones: what each fit fits."""
+    for _ in range(warmup):
+        measure(size)
+    samples = sorted(measure(size) for _ in range(max(1, repeats)))
+    return samples[len(samples) // 2]
 
 
 def forward_backward_timer(run_micro_batch: Callable[[int], None], synchronize: Callable[[], None] = lambda: None):

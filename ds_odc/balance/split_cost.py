@@ -33,7 +33,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from ds_odc.balance.cost import CostModel, nonnegative_least_squares
+from ds_odc.balance.cost import CostModel, median_time, nonnegative_least_squares
 from ds_odc.errors import ODCError
 
 #: Where the defaults of :class:`AllToAllCost` come from (the simulator's golden setting,
@@ -161,12 +161,7 @@ def fit_all_to_all(measure: Callable[[int], float], tokens: Sequence[int], group
         raise ODCError(f"fit_all_to_all needs at least 2 distinct token counts >= 1, got {list(tokens)}")
     template = AllToAllCost(**shape)
     moved = [template.bytes_per_token * n * (group_size - 1) / (group_size * group_size) for n in counts]
-    times = []
-    for n in counts:
-        for _ in range(warmup):
-            measure(n)
-        samples = sorted(measure(n) for _ in range(max(1, repeats)))
-        times.append(samples[len(samples) // 2])
+    times = [median_time(measure, n, repeats, warmup) for n in counts]
     latency, per_byte = nonnegative_least_squares([[1.0, b] for b in moved], times)
     if per_byte <= 0 or not math.isfinite(per_byte):
         raise ODCError(f"fit_all_to_all: measured times {times} do not grow with the bytes moved {moved}; "
