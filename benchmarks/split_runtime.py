@@ -117,7 +117,7 @@ def _run(rank: int, cell: dict) -> dict:
     import torch.nn.functional as F
 
     import ds_odc  # noqa: F401
-    from ds_odc.integration.split_attention import split_batch
+    from ds_odc.balance import split_batch
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model()

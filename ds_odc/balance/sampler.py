@@ -31,7 +31,7 @@ gives each micro-batch with its entry (``MicroBatch``: ``ranks``, ``sequence``, 
                                    max_group=2)
     for step_batches in sampler.planned_steps(loader):
         for entry, batch in step_batches:                 # split ones first, in the plan's order
-            part = split_batch(batch, entry, rank)        # ds_odc.integration.split_attention
+            part = split_batch(batch, entry, rank)        # ds_odc.balance.split_batch
             with engine.odc_micro_batch(entry):
                 loss, tokens = loss_sum(engine, part)     # over part["shift_labels"]
                 engine.backward(loss, loss_tokens=tokens)

@@ -177,7 +177,7 @@ class ODCEngine(DeepSpeedEngine):
         :mod:`ds_odc.integration.split_attention`): its forward(s) and backward go inside. A split entry runs
         with Ulysses attention over its group, behind the split lockstep (its members begin each forward
         together: :mod:`ds_odc.runtime.split_lockstep`); a whole one as usual. Feed it this rank's slice
-        (:func:`~ds_odc.integration.split_attention.split_batch`), and pass the slice's loss sum and token count
+        (:func:`~ds_odc.balance.split_batch`), and pass the slice's loss sum and token count
         to ``backward(loss, loss_tokens=...)``."""
         split = self._odc_state.split
         if split is None:

@@ -25,6 +25,7 @@ import os
 from deepspeed.utils import logger
 
 from ds_odc.balance.cost import CostModel
+from ds_odc.balance.slices import split_batch
 from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
 from ds_odc.balance.split_plan import SPLIT_POLICY
 from ds_odc.comm.topology import launcher_topology
@@ -33,7 +34,7 @@ from ds_odc.errors import ODCConfigError, ODCError
 from ds_odc.integration.activation_offload import offload_aware_cost
 from ds_odc.integration.hf_cost import measure_cost_model
 from ds_odc.integration.hf_sequence_parallel import keep_planned_loader, placement_of, sharding_collator
-from ds_odc.integration.split_attention import attention_shape, check_group, split_batch
+from ds_odc.integration.split_attention import attention_shape, check_group
 
 
 # -- the cost model -------------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def _split_options(trainer, config: BalanceConfig) -> dict:
 
 
 def trainer_slice(batch: dict, entry, rank: int) -> dict:
-    """A split micro-batch cut to this rank's slice (:func:`~ds_odc.integration.split_attention.split_batch`),
+    """A split micro-batch cut to this rank's slice (:func:`~ds_odc.balance.split_batch`),
     with ``labels`` kept as the slice's shifted labels, so that the Trainer counts its loss tokens (it counts
     ``shift_labels`` once ``labels`` is there) and the model's loss reads ``shift_labels``."""
     part = split_batch(batch, entry, rank)

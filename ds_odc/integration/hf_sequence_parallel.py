@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
+from ds_odc.balance.slices import shard_for_sequence_parallel
 from ds_odc.errors import ODCConfigError
-
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,30 +54,6 @@ def sharding_collator(collate_fn, placement: SequenceParallelPlacement):
         return shard_for_sequence_parallel(collate_fn(samples), placement.sp_rank, placement.size)
 
     return collate
-
-
-def shard_for_sequence_parallel(batch: dict, sp_rank: int, sp_size: int) -> dict:
-    """This SP rank's contiguous slice of every ``[batch, seq, ...]`` tensor of ``batch``; ``labels`` become
-    ``shift_labels`` (shifted before slicing, so the slice boundaries lose no label), which HF's SP loss reads."""
-    if "position_ids" not in batch:
-        raise ODCConfigError("sequence parallelism needs position_ids in every collated batch (each token keeps its "
-                             "global position once the sequence is sliced): add them in the data collator")
-    batch = dict(batch)
-    length = batch["input_ids"].shape[1]
-    if length % sp_size:
-        raise ODCConfigError(f"a micro-batch of sequence length {length} cannot be cut into sp_size={sp_size} equal "
-                             "slices: pad to a multiple of sp_size (e.g. the collator's pad_to_multiple_of)")
-    if "labels" in batch:
-        labels = batch.pop("labels")
-        batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
-    chunk = length // sp_size
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() >= 2:
-            if value.shape[1] != length:
-                raise ODCConfigError(f"{key} has shape {tuple(value.shape)}, input_ids {length} tokens: every "
-                                     "[batch, sequence] tensor must have input_ids' sequence length")
-            batch[key] = value[:, chunk * sp_rank:chunk * (sp_rank + 1)].contiguous()
-    return batch
 
 
 def keep_planned_loader(trainer, is_planned) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from ds_odc.balance.split_plan import aligned_groups, group_sizes, max_group_for_heads
 from ds_odc.errors import ODCConfigError, ODCError
-from ds_odc.integration.hf_sequence_parallel import IGNORE_INDEX, shard_for_sequence_parallel
+from ds_odc.integration.packed_attention import is_packed, per_sample
 from ds_odc.integration.patching import PatchSet
 from ds_odc.runtime.split_lockstep import SplitLockstep
 
@@ -84,34 +84,6 @@ def check_group(shape: AttentionShape, max_group: Optional[int]) -> int:
                              f"or by it; the largest group these heads allow is {allowed}"
                              + (" (none: the model cannot be split)" if allowed == 1 else ""))
     return max_group
-
-
-def per_sample(core: Callable) -> Callable:
-    """``core`` attention run on each sample of a packed sequence separately (a sample starts where
-    ``position_ids`` restart at 0), so that packed samples do not attend to each other once the split
-    micro-batch's sequence is gathered (Ulysses drops the mask the model built for a slice)."""
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        positions = kwargs.get("position_ids")
-        if positions is None or positions.shape[0] != 1:
-            return core(module, query, key, value, attention_mask, *args, **kwargs)
-        starts = sorted({0, *(int(i) for i in torch.nonzero(positions[0] == 0).flatten().tolist())})
-        if len(starts) == 1:
-            return core(module, query, key, value, attention_mask, *args, **kwargs)
-        bounds = [*starts, positions.shape[1]]
-        outputs = []
-        for a, b in zip(bounds, bounds[1:]):
-            out, _ = core(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, *args,
-                          **dict(kwargs, position_ids=positions[:, a:b]))
-            outputs.append(out)
-        return torch.cat(outputs, dim=1), None
-
-    return attention
-
-
-def _packed(positions) -> bool:
-    """Whether one sequence's ``position_ids`` restart after its first token (several samples packed)."""
-    return positions is not None and positions.shape[0] == 1 and bool((positions[0, 1:] == 0).any())
 
 
 class SplitRuntime:
@@ -162,7 +134,7 @@ class SplitRuntime:
         def attend(module, query, key, value, attention_mask, *args, **kwargs):
             ulysses = self.active
             if ulysses is None:  # a whole micro-batch: packed samples, each within itself, as in a split one
-                if query.shape[0] == 1 and _packed(kwargs.get("position_ids")):
+                if query.shape[0] == 1 and is_packed(kwargs.get("position_ids")):
                     return separate(module, query, key, value, None, *args, **kwargs)
                 return core(module, query, key, value, attention_mask, *args, **kwargs)
             if query.shape[0] != 1:
@@ -239,31 +211,3 @@ def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
     split.create_groups()
     split.install()
     return split
-
-
-def split_batch(batch: dict, entry, rank: int, pad_token_id: int = 0) -> dict:
-    """This rank's slice of a collated, packed micro-batch (``input_ids`` of shape ``[1, tokens]``) for ``entry``.
-
-    A whole entry: ``labels`` become ``shift_labels`` (shifted, the last token of each sequence without a label),
-    nothing is cut. A split one: the same, then padded to a multiple of the group (padding tokens continue the last
-    sample's positions and have no label, so they change no other token's attention nor the loss), then cut into
-    the group's equal slices, slice ``entry.part(rank)`` kept (ALST's rules: labels shifted before slicing,
-    ``position_ids`` sliced, so RoPE sees global positions). Either way the loss is the sum over ``shift_labels``
-    and its token count ``(shift_labels != -100).sum()``, and the slices' counts add up to the micro-batch's."""
-    size = len(entry.ranks)
-    if size == 1:
-        return shard_for_sequence_parallel(batch, 0, 1)
-    length = batch["input_ids"].shape[1]
-    pad = -length % size
-    if pad:
-        batch = dict(batch)
-        for key, value in list(batch.items()):
-            if not torch.is_tensor(value) or value.dim() < 2:
-                continue
-            if key == "position_ids":
-                tail = value[:, -1:] + torch.arange(1, pad + 1, dtype=value.dtype, device=value.device)
-            else:
-                fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "input_ids": pad_token_id}.get(key, 0)
-                tail = torch.full((value.shape[0], pad, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
-            batch[key] = torch.cat([value, tail], dim=1)
-    return shard_for_sequence_parallel(batch, entry.part(rank), size)

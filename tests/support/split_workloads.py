@@ -93,7 +93,7 @@ def train(steps: int = 3, checkpointing: bool = False, reference: bool = False) 
     import deepspeed
     import torch.distributed as dist
 
-    from ds_odc.integration.split_attention import split_batch
+    from ds_odc.balance import split_batch
 
     rank = dist.get_rank()
     ref = frozen_reference() if reference else None
@@ -158,7 +158,7 @@ def one_process(steps: int = 3) -> dict:
 
 def run_entries(engine, rank: int, step: int, step_plan, entries) -> None:
     """``entries`` of ``step_plan`` on this rank, each on its slice, per-token loss."""
-    from ds_odc.integration.split_attention import split_batch
+    from ds_odc.balance import split_batch
 
     for entry in entries:
         part = split_batch(packed(step, entry.samples, step_plan.lengths), entry, rank)

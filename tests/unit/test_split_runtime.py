@@ -6,10 +6,12 @@ import threading
 import pytest
 import torch
 
+from ds_odc.balance.slices import split_batch
 from ds_odc.config import BalanceConfig, parse_options
 from ds_odc.errors import ODCConfigError, ODCPeerError, ODCTimeoutError
+from ds_odc.integration.packed_attention import per_sample
 from ds_odc.integration.patching import PatchSet
-from ds_odc.integration.split_attention import AttentionShape, check_group, per_sample, split_batch
+from ds_odc.integration.split_attention import AttentionShape, check_group
 from ds_odc.runtime.split_lockstep import OWN, ODCSplitError, parse_split_key, split_key
 from tests.support.loopback import LoopbackGroup, runtime_for
 
