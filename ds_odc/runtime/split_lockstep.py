@@ -7,10 +7,13 @@ first, in the plan's one order (``MicroBatch.sequence``). So the fixed-SP lockst
 (:mod:`ds_odc.runtime.lockstep`) cannot work here: a member compares the plan's sequence number instead.
 
 Before every forward a rank publishes a key (a word of its control block, release store): inside a split
-micro-batch ``(step, sequence, forwards begun in it)``, and ``(step, OWN)`` before a forward of its own
-micro-batches, which every sequence of the step precedes. A member of split micro-batch ``k`` then waits until
-every other member has published ``k`` with as many forwards begun. [Note: split lockstep] What the peer's key
-says, when it is not there yet:
+micro-batch ``(step, sequence, forwards begun in it)``, and ``(step, OWN)`` inside one of its own (whole) entries,
+which every sequence of the step precedes. A forward outside every entry (an evaluation, a reference model's
+log-probs computed before the step's micro-batches, as TRL's DPO precompute and GRPO's old log-probs do)
+publishes nothing: it belongs to no place in the plan's order, so it can neither pass a split micro-batch nor
+be passed by one, and a member late by any amount is simply waited for. A member of split micro-batch ``k``
+then waits until every other member has published ``k`` with as many forwards begun. [Note: split lockstep]
+What the peer's key says, when it is not there yet:
 
 * a later split micro-batch, or its own micro-batches, in the same step: it is past ``k`` without running
   this forward with this rank (each forward of a split micro-batch meets its members in the all-to-alls of its
@@ -88,13 +91,15 @@ class SplitLockstep:
         self.me = protocol.transport.job_rank
         self.entry: Optional[SplitEntry] = None
         self.forwards = 0
+        self.own = False  # inside one of this rank's own (whole) entries: its forwards publish OWN
 
     # -- entering and leaving a split micro-batch ----------------------------------------------------------
     def enter(self, sequence: int, members: Sequence[int]) -> None:
         """This rank starts split micro-batch ``sequence`` of the step with ``members`` (all on this node)."""
         members = tuple(int(m) for m in members)
-        if self.entry is not None:
-            raise ODCSplitError(f"rank {self.me} entered split micro-batch {sequence} inside {self.entry.title}: "
+        if self.entry is not None or self.own:
+            inside = self.entry.title if self.entry is not None else "one of its own micro-batches"
+            raise ODCSplitError(f"rank {self.me} entered split micro-batch {sequence} inside {inside}: "
                                 "run one micro-batch at a time")
         if not 0 <= sequence < OWN:
             raise ODCSplitError(f"split micro-batch sequence {sequence} is outside [0, {OWN})")
@@ -120,15 +125,30 @@ class SplitLockstep:
         finally:
             self.leave()
 
+    @contextlib.contextmanager
+    def own_entry(self):
+        """Around one of this rank's own (whole) entries: its forwards publish OWN (every split micro-batch of
+        the step is behind this rank)."""
+        if self.entry is not None:
+            raise ODCSplitError(f"rank {self.me} began a whole micro-batch inside {self.entry.title}: run one "
+                                "micro-batch at a time")
+        self.own = True
+        try:
+            yield
+        finally:
+            self.own = False
+
     # -- before a forward ------------------------------------------------------------------------------------
     def before_forward(self) -> None:
-        """Publish this forward's key; inside a split micro-batch, wait until every other member has begun it."""
+        """Publish this forward's key; inside a split micro-batch, wait until every other member has begun it.
+        A forward outside every entry publishes nothing (the module docstring says why)."""
         protocol = self.protocol
         plane = protocol.transport.control_plane
         step = protocol.step_number
         entry = self.entry
         if entry is None:
-            plane.me.set_split_key(split_key(step, OWN, 0))
+            if self.own:
+                plane.me.set_split_key(split_key(step, OWN, 0))
             return
         if self.forwards >= MAX_FORWARDS:
             raise ODCSplitError(f"{entry.title}: more than {MAX_FORWARDS} forwards in one micro-batch")

@@ -50,7 +50,8 @@ def test_members_running_the_same_split_micro_batches_pass_and_others_are_not_wa
             with lockstep.inside(1, (0, 1)):
                 lockstep.before_forward()
                 all_to_all.wait()
-        lockstep.before_forward()  # an own micro-batch
+        with lockstep.own_entry():
+            lockstep.before_forward()  # an own micro-batch
         return parse_split_key(runtime.transport.control_plane.me.split_key())
 
     results = _run(group, body)
@@ -62,7 +63,8 @@ def test_a_member_that_skipped_the_split_micro_batch_is_named():
 
     def body(rank, lockstep, runtime):
         if rank == 1:
-            lockstep.before_forward()  # went to its own micro-batches
+            with lockstep.own_entry():
+                lockstep.before_forward()  # went to its own micro-batches
             return None
         with lockstep.inside(0, (0, 1)):
             lockstep.before_forward()
@@ -72,6 +74,59 @@ def test_a_member_that_skipped_the_split_micro_batch_is_named():
     assert str(error).startswith("split micro-batch 0 (ranks 0, 1): rank 0 started it in step 1 while rank 1 had "
                                  "gone on to its own micro-batches")
     assert runtime_failed(group, 0)
+
+
+def test_forwards_outside_every_entry_publish_nothing_and_never_fail_a_member_however_late():
+    """A reference model's log-probs before the step's micro-batches, an evaluation between and after them:
+    forwards outside every entry. Rank 1, late by hundreds of milliseconds, runs several of them before each of
+    its split micro-batches while rank 0 already waits in it: rank 0 is never told rank 1 went past, and the key a
+    forward outside the entries leaves is the one the last entry published."""
+    import time
+
+    group = LoopbackGroup(2)
+    all_to_all = threading.Barrier(2, timeout=10)
+
+    def body(rank, lockstep, runtime):
+        plane = runtime.transport.control_plane
+        keys = []
+        for sequence in (0, 1):
+            if rank == 1:
+                time.sleep(0.3)  # rank 0 is waiting in split micro-batch ``sequence`` by now
+                for _ in range(5):
+                    lockstep.before_forward()  # outside every entry
+                    keys.append(parse_split_key(plane.me.split_key()))
+                    time.sleep(0.02)
+            with lockstep.inside(sequence, (0, 1)):
+                lockstep.before_forward()
+                all_to_all.wait()
+        with lockstep.own_entry():
+            lockstep.before_forward()
+        lockstep.before_forward()  # after: an evaluation
+        keys.append(parse_split_key(plane.me.split_key()))
+        return keys
+
+    (ok0, keys0), (ok1, keys1) = _run(group, body)
+    assert ok0 and ok1, (keys0, keys1)
+    assert keys1 == [(0, 0, 0)] * 5 + [(1, 0, 1)] * 5 + [(1, OWN, 0)]  # nothing published outside the entries
+    assert keys0 == [(1, OWN, 0)]
+
+
+def test_a_member_that_ran_forwards_outside_the_entries_and_skipped_the_split_one_is_still_named():
+    """Forwards outside the entries publish nothing, so a member that skipped split micro-batch 0 is named when it
+    starts its own entries (or reaches the step, as before)."""
+    group = LoopbackGroup(2)
+
+    def body(rank, lockstep, runtime):
+        if rank == 1:
+            lockstep.before_forward()  # a reference model's forward: nothing published
+            with lockstep.own_entry():
+                lockstep.before_forward()
+            return None
+        with lockstep.inside(0, (0, 1)):
+            lockstep.before_forward()
+
+    (ok, error), (ok1, _) = _run(group, body)
+    assert not ok and ok1 and "rank 1 had gone on to its own micro-batches" in str(error)
 
 
 def runtime_failed(group, rank):
