@@ -28,7 +28,7 @@ each entry of the rank's list inside ``engine.odc_micro_batch(entry)`` on its sl
 gives each micro-batch with its entry (``MicroBatch``: ``ranks``, ``sequence``, ``part(rank)``)::
 
     sampler = BalancedBatchSampler(lengths, samples_per_rank=1, token_cap=65536, policy="lb-mini-split",
-                                   max_group=2)
+                                   engine=engine)
     for step_batches in sampler.planned_steps(loader):
         for entry, batch in step_batches:                 # split ones first, in the plan's order
             part = split_batch(batch, entry, rank)        # ds_odc.balance.split_batch
@@ -37,8 +37,11 @@ gives each micro-batch with its entry (``MicroBatch``: ``ranks``, ``sequence``, 
                 engine.backward(loss, loss_tokens=tokens)
         engine.step()
 
-The engine needs the same policy in its ds_config's balance block (it creates the groups at initialize),
-with a ``max_group`` at least the sampler's.
+The engine needs the same policy in its ds_config's balance block: it creates the groups at initialize and owns
+where split micro-batches may run (``engine.odc_split_limits``: node size, group sizes, the largest group). Given
+``engine=``, the sampler plans with those limits, read at its first iteration (a ``max_group`` or ``node_size``
+passed as well must agree, or every rank refuses it there, by name). Without an engine (planning ahead of one),
+pass both ``max_group`` and ``node_size``; the engine then refuses a micro-batch over a group it lacks.
 """
 from __future__ import annotations
 
@@ -51,23 +54,25 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.planner import POLICIES, Plan, plan_minibatch
 from ds_odc.balance.split import plan_split
 from ds_odc.balance.split_cost import AllToAllCost
+from ds_odc.balance.split_limits import SplitLimits
 from ds_odc.balance.split_plan import SPLIT_POLICY, MicroBatch, SplitPlan
-from ds_odc.errors import ODCError
+from ds_odc.errors import ODCConfigError, ODCError
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches, step after step, for one epoch (call :meth:`set_epoch`).
 
-    The split policy's own arguments (:func:`~ds_odc.balance.split.plan_split`): ``max_group`` (the most ranks a
-    sample is split over, 2, 4 or 8), ``node_size`` (ranks per node; default: the launcher's
-    ``LOCAL_WORLD_SIZE``, else the world), ``all_to_all`` (Ulysses' cost, in the cost model's unit),
-    ``min_chunk_tokens`` and ``min_gain``."""
+    The split policy's own arguments (:func:`~ds_odc.balance.split.plan_split`): ``engine`` (the ODC engine with
+    the policy, whose :class:`~ds_odc.balance.split_limits.SplitLimits` the plans use), or ``max_group`` (the most
+    ranks a sample is split over, 2, 4 or 8) and ``node_size`` (ranks per node) without one; ``all_to_all``
+    (Ulysses' cost, in the cost model's unit), ``min_chunk_tokens`` and ``min_gain``."""
 
     def __init__(self, lengths: Sequence[int], *, samples_per_rank: int, token_cap: int,
                  policy: str = "lb-mini", cost_model: CostModel | None = None, world_size: int | None = None,
                  rank: int | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 sequence_parallel_size: int = 1, max_group: int = 8, node_size: int | None = None,
-                 all_to_all: AllToAllCost | None = None, min_chunk_tokens: int = 2048, min_gain: float = 0.01):
+                 sequence_parallel_size: int = 1, max_group: int | None = None, node_size: int | None = None,
+                 all_to_all: AllToAllCost | None = None, min_chunk_tokens: int = 2048, min_gain: float = 0.01,
+                 engine=None):
         if policy not in (*POLICIES, SPLIT_POLICY):
             raise ODCError(f"unknown balancing policy {policy!r}; choose one of {', '.join((*POLICIES, SPLIT_POLICY))}")
         if samples_per_rank < 1:
@@ -76,6 +81,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
             raise ODCError(f"BalancedBatchSampler: policy {SPLIT_POLICY!r} chooses its sequence-parallel groups "
                            f"per micro-batch; sequence_parallel_size={sequence_parallel_size} (fixed groups) cannot "
                            "go with it")
+        if policy == SPLIT_POLICY and engine is None and (max_group is None or node_size is None):
+            raise ODCError(f"BalancedBatchSampler: policy {SPLIT_POLICY!r} plans over the groups the engine created: "
+                           "pass engine= (the ODC engine with the policy), or both max_group and node_size")
         world_size, rank = _world_and_rank(world_size, rank)
         world_size, rank = _sp_groups(world_size, rank, sequence_parallel_size)
         self.lengths = [int(s) for s in lengths]
@@ -83,7 +91,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.cost_model = cost_model or CostModel.tokens()
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.shuffle, self.drop_last = shuffle, drop_last
-        self.all_to_all, self.max_group, self.node_size = all_to_all, max_group, node_size or _node_size(world_size)
+        self.all_to_all, self.max_group, self.node_size, self.engine = all_to_all, max_group, node_size, engine
         self.min_chunk_tokens, self.min_gain = min_chunk_tokens, min_gain
         self.epoch = 0
         self._plans: list[tuple[Plan | SplitPlan, list[int]]] | None = None
@@ -100,20 +108,35 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
             size = self.samples_per_rank * self.world_size
             cut = len(order) - len(order) % size if self.drop_last else len(order)
+            limits = self.split_limits() if self.policy == SPLIT_POLICY else None
             self._plans = []
             for step, start in enumerate(range(0, cut, size)):
                 members = order[start:start + size]
                 lengths = [self.lengths[i] for i in members]
                 plan: Plan | SplitPlan
-                if self.policy == SPLIT_POLICY:
+                if limits is not None:
                     plan = plan_split(lengths, self.world_size, self.token_cap, self.cost_model, self.all_to_all,
-                                      self.node_size, self.max_group, self.min_chunk_tokens, self.min_gain,
+                                      limits.node_size, limits.max_group, self.min_chunk_tokens, self.min_gain,
                                       seed=self.seed + step)
                 else:
                     plan = plan_minibatch(lengths, self.world_size, self.token_cap, self.policy, self.cost_model,
                                           seed=self.seed + step)
                 self._plans.append((plan, members))
         return self._plans
+
+    def split_limits(self) -> SplitLimits:
+        """Where the split policy's micro-batches may run: the engine's limits (checked against ``max_group`` and
+        ``node_size`` when those were passed too), else those two as passed."""
+        if self.engine is None:
+            assert self.max_group is not None and self.node_size is not None  # __init__ requires them
+            return SplitLimits(self.world_size, self.node_size, self.max_group)
+        limits = getattr(self.engine, "odc_split_limits", None)
+        if limits is None:
+            raise ODCConfigError(f"BalancedBatchSampler(policy={SPLIT_POLICY!r}, engine=...): the engine has no split "
+                                 f"policy; set zero_optimization.odc.balance.policy {SPLIT_POLICY!r} in its ds_config")
+        limits.check_matches({"world_size": self.world_size, "max_group": self.max_group,
+                              "node_size": self.node_size}, "BalancedBatchSampler")
+        return limits
 
     def entries(self) -> list[list[MicroBatch]]:
         """This rank's list for every step: ``MicroBatch`` entries (samples as indices into the step's minibatch);
@@ -160,16 +183,6 @@ def _sp_groups(world_size: int, rank: int, sequence_parallel_size: int) -> tuple
         raise ODCError(f"BalancedBatchSampler: sequence_parallel_size={sequence_parallel_size} must be >= 1 and divide "
                        f"world_size {world_size}")
     return world_size // sequence_parallel_size, rank // sequence_parallel_size
-
-
-def _node_size(world_size: int) -> int:
-    """Ranks per node as the launcher announces them (``LOCAL_WORLD_SIZE``), else the whole world."""
-    import os
-
-    from ds_odc.comm.topology import launcher_topology
-
-    topology = launcher_topology(os.environ)
-    return min(len(topology.nodes[0]), world_size) if topology is not None and topology.nodes else world_size
 
 
 def _world_and_rank(world_size, rank):

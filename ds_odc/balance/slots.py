@@ -26,7 +26,9 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.planner import Plan, plan_minibatch
 from ds_odc.balance.split import plan_split
 from ds_odc.balance.split_cost import AllToAllCost
+from ds_odc.balance.split_limits import SplitLimits
 from ds_odc.balance.split_plan import SPLIT_POLICY, MicroBatch, SplitPlan
+from ds_odc.errors import ODCError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +135,9 @@ class StepPlanner:
 
     ``padding``/``pad_to_multiple_of`` say how the collator lays a micro-batch out (``"packed"``:
     Σ lengths tokens; ``"padded"``: n × longest), so the cap and the costs are those of what runs.
-    The split policy (packed only) also takes ``node_size`` (ranks per node; 0: the world), ``max_group``,
-    ``min_chunk_tokens`` and ``all_to_all`` (:func:`~ds_odc.balance.split.plan_split`).
+    The split policy (packed only) also takes ``split_limits`` (the engine's groups,
+    :class:`~ds_odc.balance.split_limits.SplitLimits`), ``min_chunk_tokens`` and ``all_to_all``
+    (:func:`~ds_odc.balance.split.plan_split`).
     """
 
     world_size: int
@@ -144,15 +147,20 @@ class StepPlanner:
     cost_model: CostModel
     padding: str = "packed"
     pad_to_multiple_of: int = 1
-    node_size: int = 0
-    max_group: int = 8
+    split_limits: SplitLimits | None = None
     min_chunk_tokens: int = 2048
     all_to_all: AllToAllCost | None = None
 
+    def __post_init__(self) -> None:
+        if self.policy == SPLIT_POLICY and self.split_limits is None:
+            raise ODCError(f"StepPlanner: policy {SPLIT_POLICY!r} needs split_limits (the engine's groups)")
+
     def plan(self, lengths: Sequence[int], seed: int) -> Plan | SplitPlan:
         if self.policy == SPLIT_POLICY:
+            limits = self.split_limits
+            assert limits is not None  # __post_init__
             return plan_split(lengths, self.world_size, self.token_cap, self.cost_model, self.all_to_all,
-                              node_size=self.node_size or self.world_size, max_group=self.max_group,
+                              node_size=limits.node_size, max_group=limits.max_group,
                               min_chunk_tokens=self.min_chunk_tokens, seed=seed)
         return plan_minibatch(lengths, self.world_size, self.token_cap, self.policy, self.cost_model, seed=seed,
                               padding=self.padding, pad_to_multiple_of=self.pad_to_multiple_of)

@@ -42,6 +42,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import logger
 
+from ds_odc.balance.split_limits import SplitLimits
 from ds_odc.balance.split_plan import SPLIT_POLICY
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError, ODCStateError
@@ -105,6 +106,9 @@ class ODCEngine(DeepSpeedEngine):
                 self.optimizer.destroy()
             if self._odc is not None and self._odc.frozen is not None:
                 self._odc.frozen.release()
+            if self._odc is not None and self._odc.split is not None:
+                sequence_parallel.unregister(self._odc.split.lockstep)
+                self._odc.split.close()
             raise
         if self._odc is not None and self._odc.options.metrics and self.odc_trains:
             from ds_odc.integration.metrics_hooks import attach_recorder
@@ -162,6 +166,13 @@ class ODCEngine(DeepSpeedEngine):
         self._odc_state.pending_tokens = int(loss_tokens)
 
     @property
+    def odc_split_limits(self) -> Optional[SplitLimits]:
+        """Where this engine's split micro-batches may run (balance policy "lb-mini-split"; None otherwise): the
+        groups it created at initialize. Plan with these (``BalancedBatchSampler(..., engine=engine)`` reads them)."""
+        split = self._odc.split if self._odc is not None else None
+        return split.limits if split is not None else None
+
+    @property
     def odc_activation_offload(self) -> Optional[EngineOffload]:
         """The activation offload of this engine (its profile, pool and per-micro-batch ``history``), or None."""
         return self._odc.activations if self._odc is not None else None
@@ -172,13 +183,20 @@ class ODCEngine(DeepSpeedEngine):
             self.odc_activation_offload.plan_next(tokens)
 
     @contextlib.contextmanager
-    def odc_micro_batch(self, micro_batch):
+    def odc_micro_batch(self, micro_batch, scaled_token_sum: bool = False):
         """Run one entry of this rank's list for the step (``SplitPlan.for_rank(rank)``, policy "lb-mini-split";
         :mod:`ds_odc.integration.split_attention`): its forward(s) and backward go inside. A split entry runs
         with Ulysses attention over its group, behind the split lockstep (its members begin each forward
         together: :mod:`ds_odc.runtime.split_lockstep`); a whole one as usual. Feed it this rank's slice
         (:func:`~ds_odc.balance.split_batch`), and pass the slice's loss sum and token count
-        to ``backward(loss, loss_tokens=...)``."""
+        to ``backward(loss, loss_tokens=...)``.
+
+        Inside a split micro-batch each member holds a slice of its samples, so only a loss that adds up over the
+        slices weighs a split sample as it weighs whole: the per-token rule (``loss_tokens``), or a loss of the
+        caller's that is the slice's token sum times a factor every member shares (``scaled_token_sum=True``: e.g.
+        divided by the step's global token count, as the HF Trainer's ``num_items_in_batch`` loss is). A mean (the
+        mean rule, or a mean the caller passes with ``scale_wrt_gas=False`` or ``gradient_accumulation_steps`` 1)
+        is refused by name before anything is pushed, on every backward route."""
         split = self._odc_state.split
         if split is None:
             if len(micro_batch.ranks) > 1:
@@ -186,7 +204,7 @@ class ODCEngine(DeepSpeedEngine):
                                      "in the ds_config (the engine creates its groups at initialize)")
             yield
             return
-        with split.micro_batch(micro_batch):
+        with split.micro_batch(micro_batch, scaled_token_sum):
             yield
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, loss_tokens: Optional[int] = None):
@@ -200,12 +218,7 @@ class ODCEngine(DeepSpeedEngine):
         decided = self._odc_rule_for_backward(scale_wrt_gas)
         split = self._odc_state.split
         if split is not None:
-            split.check_backward()
-            if split.lockstep.entry is not None and decided.rule is LossNormalization.MEAN:
-                raise ODCConfigError(f"{split.lockstep.entry.title}: each member holds a slice of the sample, so "
-                                     "the mean over micro-batches would count it once per member; pass the slice's "
-                                     "loss sum and token count (engine.backward(loss, loss_tokens=n)), or a loss the "
-                                     "caller scaled (managed_gradient_accumulation false)")
+            split.check_backward(decided.rule, "engine.backward()")
         optimizer = self.optimizer
         seen = optimizer.odc_gradients_seen
         offload = self._odc_state.activations
@@ -395,8 +408,13 @@ class ODCEngine(DeepSpeedEngine):
     def _backward_prologue_per_tensor(self, grad):
         # Inside engine.backward, which decided the rule (and consumed the pending token count) and
         # scaled the loss itself, DeepSpeed's prologue leaves the gradient alone.
-        if grad is not None and not self._running_engine_backward and \
-                self._odc_rule_for_backward(scale_wrt_gas=True, peek=True).skips_gas_division:
+        if self._running_engine_backward:
+            return super()._backward_prologue_per_tensor(grad)
+        rule = self._odc_rule_for_backward(scale_wrt_gas=True, peek=True)
+        split = self._odc.split if self._odc is not None else None
+        if split is not None:  # a torch-style loss.backward(): checked before any gradient reaches a bucket
+            split.check_backward(rule.rule, "loss.backward()")
+        if grad is not None and rule.skips_gas_division:
             return grad
         return super()._backward_prologue_per_tensor(grad)
 

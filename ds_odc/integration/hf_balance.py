@@ -29,6 +29,7 @@ import torch
 from deepspeed.utils import logger
 
 from ds_odc.balance.slots import BalancedSlot, StepHeader
+from ds_odc.balance.split_plan import SPLIT_POLICY
 from ds_odc.config import BalanceConfig
 from ds_odc.errors import ODCConfigError
 from ds_odc.integration.hf_balance_loader import slot_loader
@@ -82,6 +83,11 @@ class TrainerBalance:
             local = torch.tensor([0.0 if count is None else float(count), 0.0 if count is None else 1.0])
             total = gather_rows(trainer, local, "loss-token count").sum(dim=0)
             count = total[0].to(device=device, dtype=torch.float32) if total[1] > 0 else None
+        if count is None and self.config.policy == SPLIT_POLICY:  # the count is global: every rank alike
+            raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r}: the Trainer counted no "
+                                 "loss tokens for this step (no 'labels' in the batches), so its loss would be a mean "
+                                 "per micro-batch, which counts a split sample once per member: give every batch "
+                                 "labels")
         return slots, count
 
     def training_step(self, original, trainer, model, inputs, num_items_in_batch=None, *args, **kwargs):
@@ -98,17 +104,15 @@ class TrainerBalance:
         trainer.current_gradient_accumulation_steps = inputs.header.global_micro_batches / replicas
         self.last_header = inputs.header
         entries = inputs.entries or [None] * len(inputs.micro_batches)
-        if num_items_in_batch is None and any(entry is not None and entry.split for entry in entries):
-            raise ODCConfigError("zero_optimization.odc.balance.policy 'lb-mini-split' needs the loss-token count "
-                                 "of each step (each member of a split micro-batch holds a slice of a sample, so a "
-                                 "mean per micro-batch would count it once per member): a model that takes "
-                                 "num_items_in_batch (transformers' causal LMs do) and labels in every batch")
+        # with a count, the Trainer's loss is the micro-batch's token sum over the step's global count (times the
+        # world size): it adds up over a split micro-batch's slices (checked at the first step, on every rank)
+        token_sum = num_items_in_batch is not None
         total = torch.zeros((), device=trainer.args.device)
         try:
             with self.answered_locally(trainer):
                 for m, (batch, entry) in enumerate(zip(inputs.micro_batches, entries)):
                     gradient_state._set_sync_gradients(sync and m == len(inputs.micro_batches) - 1)
-                    with _planned_entry(trainer, entry):
+                    with _planned_entry(trainer, entry, token_sum):
                         total = total + original(trainer, model, batch, num_items_in_batch, *args, **kwargs)
             if sync and not inputs.micro_batches:
                 _step_without_micro_batch(trainer)
@@ -173,12 +177,13 @@ class TrainerBalance:
             yield
 
 
-def _planned_entry(trainer, entry):
+def _planned_entry(trainer, entry, token_sum: bool):
     """Under the split policy, the entry's micro-batch runs inside ``engine.odc_micro_batch(entry)`` (a split one
-    over its group: :mod:`ds_odc.integration.split_attention`); otherwise nothing changes."""
+    over its group: :mod:`ds_odc.integration.split_attention`), its loss declared a scaled token sum when the
+    Trainer normalises by ``num_items_in_batch``; otherwise nothing changes."""
     if entry is None:
         return contextlib.nullcontext()
-    return trainer.accelerator.deepspeed_engine_wrapped.engine.odc_micro_batch(entry)
+    return trainer.accelerator.deepspeed_engine_wrapped.engine.odc_micro_batch(entry, scaled_token_sum=token_sum)
 
 
 def _step_without_micro_batch(trainer) -> None:

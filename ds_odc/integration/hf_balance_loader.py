@@ -20,7 +20,6 @@ touches the Trainer beyond reading it.
 from __future__ import annotations
 
 import functools
-import os
 
 from deepspeed.utils import logger
 
@@ -28,13 +27,11 @@ from ds_odc.balance.cost import CostModel
 from ds_odc.balance.slices import split_batch
 from ds_odc.balance.slots import SlotCollator, SlotDataset, StepPlanner
 from ds_odc.balance.split_plan import SPLIT_POLICY
-from ds_odc.comm.topology import launcher_topology
 from ds_odc.config import MARKER_KEY, BalanceConfig, QuadraticCost
 from ds_odc.errors import ODCConfigError, ODCError
 from ds_odc.integration.activation_offload import offload_aware_cost
 from ds_odc.integration.hf_cost import measure_cost_model
 from ds_odc.integration.hf_sequence_parallel import keep_planned_loader, placement_of, sharding_collator
-from ds_odc.integration.split_attention import attention_shape, check_group
 
 
 # -- the cost model -------------------------------------------------------------------------------------
@@ -226,16 +223,29 @@ def slot_loader(trainer, loader, config: BalanceConfig):
 
 
 def _split_options(trainer, config: BalanceConfig) -> dict:
-    """The split policy's planner arguments: the engine's group limit (balance.max_group, or what the model's
-    heads allow) and the node size (ranks per host, as the odc stage's node)."""
+    """The split policy's planner arguments, at the first iteration (every rank plans every step, so every rank
+    refuses alike): the engine's :class:`~ds_odc.balance.split_limits.SplitLimits` (the groups it created), and a
+    loss that weighs a split sample as whole. The Trainer's loss is the micro-batch's token sum over the step's
+    global count when it counts loss tokens (``num_items_in_batch``, which reaches the model's loss or
+    ``compute_loss_func``, summed over every rank); otherwise each member's loss would be its slice's mean."""
     if config.policy != SPLIT_POLICY:
         return {}
-    max_group = check_group(attention_shape(trainer.model), config.max_group)
-    node_size = trainer.args.world_size
-    topology = launcher_topology(os.environ)
-    if topology is not None and topology.nodes:
-        node_size = min(node_size, len(topology.nodes[0]))
-    return {"node_size": node_size, "max_group": max_group, "min_chunk_tokens": config.min_chunk_tokens}
+    engine = getattr(getattr(trainer.accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    limits = getattr(engine, "odc_split_limits", None)
+    if limits is None:
+        raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r}: the Trainer's DeepSpeed engine "
+                             "has no split groups (it must be the odc stage's training engine with this policy)")
+    limits.check_matches({"world_size": trainer.args.world_size}, "the Trainer's world")
+    if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None)):
+        raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r} with the Trainer needs a loss "
+                             "normalised by the step's loss-token count (num_items_in_batch): the model's forward "
+                             "does not take it (transformers' causal LMs do) and no compute_loss_func is given, so "
+                             "each member of a split micro-batch would pass the mean over its slice")
+    if trainer.args.world_size > 1 and not trainer.args.average_tokens_across_devices:
+        raise ODCConfigError(f"zero_optimization.odc.balance.policy {SPLIT_POLICY!r} with the Trainer needs "
+                             "average_tokens_across_devices=True: with each rank's own loss-token count, the members "
+                             "of a split micro-batch would divide their slices by different counts")
+    return {"split_limits": limits, "min_chunk_tokens": config.min_chunk_tokens}
 
 
 def trainer_slice(batch: dict, entry, rank: int) -> dict:

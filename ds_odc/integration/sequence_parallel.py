@@ -53,6 +53,12 @@ def unregister(lockstep: Optional[Lockstep]) -> None:
         _training_locksteps.remove(lockstep)
 
 
+def live_split_lockstep() -> Optional[SplitLockstep]:
+    """The split lockstep of a live training engine with the split policy in this process, if any (one at most:
+    :func:`ds_odc.integration.split_attention.enable` refuses a second)."""
+    return next((lockstep for lockstep in _training_locksteps if isinstance(lockstep, SplitLockstep)), None)
+
+
 def process_lockstep() -> Optional[Lockstep]:
     """The lockstep a frozen engine's forward takes: the newest training engine's (None without SP or split
     micro-batches; a split one's attention hook is process-wide too, so a reference model inside a split

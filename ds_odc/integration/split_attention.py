@@ -35,10 +35,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ds_odc.balance.split_plan import aligned_groups, group_sizes, max_group_for_heads
+from ds_odc.balance.split_limits import SplitLimits
+from ds_odc.balance.split_plan import max_group_for_heads
 from ds_odc.errors import ODCConfigError, ODCError
+from ds_odc.integration import sequence_parallel
 from ds_odc.integration.packed_attention import is_packed, per_sample
 from ds_odc.integration.patching import PatchSet
+from ds_odc.runtime import LossNormalization
 from ds_odc.runtime.split_lockstep import SplitLockstep
 
 #: Attention implementations Ulysses cannot take over: eager builds a full 4-D mask, flex a block mask the
@@ -89,14 +92,13 @@ def check_group(shape: AttentionShape, max_group: Optional[int]) -> int:
 class SplitRuntime:
     """This rank's groups, its Ulysses attention per group, the attention hook and the lockstep."""
 
-    def __init__(self, shape: AttentionShape, max_group: int, world_size: int, rank: int, node_size: int,
-                 lockstep: SplitLockstep):
-        self.shape, self.lockstep, self.rank = shape, lockstep, rank
-        self.max_group, self.node_size, self.world_size = max_group, node_size, world_size
+    def __init__(self, shape: AttentionShape, limits: SplitLimits, rank: int, lockstep: SplitLockstep):
+        self.shape, self.limits, self.lockstep, self.rank = shape, limits, lockstep, rank
         self.groups: dict[tuple[int, ...], Any] = {}  # members -> process group (this rank's only)
         self.attention: dict[tuple[int, ...], Any] = {}  # members -> UlyssesSPAttentionHF over them
         self.active: Optional[Any] = None  # the Ulysses attention of the split micro-batch running now
         self.forward_outstanding: Optional[int] = None  # a split micro-batch's training forward awaits backward
+        self.scaled_token_sum = False  # the running split micro-batch's caller loss adds up over its slices
         self.patches = PatchSet("the odc stage's split attention")
 
     # -- setup (collective) ---------------------------------------------------------------------------------
@@ -108,8 +110,8 @@ class SplitRuntime:
 
         core = ALL_ATTENTION_FUNCTIONS[self.shape.implementation]
         shape = self.shape
-        for p in group_sizes(self.world_size, self.node_size, self.max_group):
-            for g in aligned_groups(self.world_size, self.node_size, p):
+        for p in self.limits.group_sizes:
+            for g in self.limits.groups(p):
                 members = tuple(range(g * p, (g + 1) * p))
                 group = tdist.new_group(list(members))
                 if self.rank not in members:
@@ -150,34 +152,52 @@ class SplitRuntime:
         return attend
 
     def close(self) -> None:
+        """Put the attention entry back and destroy this rank's split groups (their gloo threads and sockets):
+        called by ``engine.destroy()``, when every member is past its last split micro-batch. Destroying a group
+        is local to the rank; the other members destroy theirs in their own ``destroy()``."""
+        import torch.distributed as tdist
+
         self.patches.undo()
         self.active = None
+        groups, self.groups, self.attention = list(self.groups.values()), {}, {}
+        # DeepSpeed's Ulysses registers each group by name for its all-to-all operator and never forgets it: the
+        # registry would keep the group, and its gloo threads and sockets, alive past its destruction
+        import deepspeed.sequence.layer as sequence_layer
+
+        registry = getattr(sequence_layer, "_all_to_all_groups", None)
+        for group in groups:
+            if registry is not None and registry.get(group.group_name) is group:
+                del registry[group.group_name]
+            if tdist.is_initialized():
+                tdist.destroy_process_group(group)
 
     # -- one micro-batch ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_batch(self, entry):
+    def micro_batch(self, entry, scaled_token_sum: bool = False):
         """Run ``entry`` (a ``MicroBatch`` of ``SplitPlan.for_rank``: ``ranks``, ``sequence``) inside: a split
-        one over its group (attention and lockstep), a whole one as usual."""
+        one over its group (attention and lockstep), a whole one as usual. ``scaled_token_sum``: the caller's loss
+        is the slice's token sum times a factor every member shares (:meth:`check_backward`)."""
         ranks = tuple(int(r) for r in entry.ranks)
         if self.rank not in ranks:
             raise ODCError(f"rank {self.rank} runs a micro-batch of ranks {ranks}: run only the entries of this "
                            "rank's own list (SplitPlan.for_rank)")
         if len(ranks) == 1:
-            yield
+            with self.lockstep.own_entry():
+                yield
             return
         ulysses = self.attention.get(ranks)
         if ulysses is None:
-            raise ODCConfigError(f"split micro-batch {entry.sequence} runs over ranks {ranks}, which is not an aligned "
-                                 f"group this job created (groups of up to {self.max_group} ranks inside a node of "
-                                 f"{self.node_size}: zero_optimization.odc.balance.max_group)")
+            raise ODCConfigError(f"split micro-batch {entry.sequence} runs over ranks {ranks}, which is not a group "
+                                 f"this engine created ({self.limits.describe()}): plan with the engine's limits, "
+                                 "engine.odc_split_limits (BalancedBatchSampler(..., engine=engine) takes them)")
         if self.active is not None:
             raise ODCError("split micro-batches cannot nest: run one micro-batch at a time")
         with self.lockstep.inside(int(entry.sequence), ranks):
-            self.active = ulysses
+            self.active, self.scaled_token_sum = ulysses, scaled_token_sum
             try:
                 yield
             finally:
-                self.active = None
+                self.active, self.scaled_token_sum = None, False
 
     def note_forward(self, training: bool) -> None:
         """A training forward inside a split micro-batch must have its backward there too (checkpointed
@@ -186,13 +206,32 @@ class SplitRuntime:
         if training and entry is not None:
             self.forward_outstanding = entry.sequence
 
-    def check_backward(self) -> None:
+    def check_backward(self, rule: LossNormalization, route: str) -> None:
+        """Before a backward pushes anything (``route``: ``engine.backward()`` or a torch-style
+        ``loss.backward()``): a split micro-batch's backward runs inside it, and under a loss that weighs a split
+        sample as it weighs whole. Each member's loss covers its slice and the owners sum the members' gradients,
+        so the loss must add up over the slices: a token sum (the per-token rule), or the caller's token sum times
+        a factor every member shares (``scaled_token_sum``). A mean over each slice would count the sample once
+        per member, differently every step as the plan changes: refused by name, on every member alike."""
         if self.lockstep.entry is None and self.forward_outstanding is not None:
             sequence, self.forward_outstanding = self.forward_outstanding, None
             raise ODCError(f"the backward of split micro-batch {sequence} ran outside engine.odc_micro_batch(): run "
                            "a split micro-batch's forward and backward inside it (its recomputed attention, and its "
                            "all-to-alls' gradients, go over its group)")
         self.forward_outstanding = None
+        entry = self.lockstep.entry
+        if entry is None or rule is LossNormalization.TOKEN or \
+                (rule is LossNormalization.CALLER and self.scaled_token_sum):
+            return
+        how = ("the mean over micro-batches (engine.backward(loss) with gradient_accumulation_steps > 1)"
+               if rule is LossNormalization.MEAN else
+               "a loss the caller scaled (scale_wrt_gas=False, unmanaged accumulation or gradient_accumulation_steps"
+               " 1), which the engine cannot tell from a mean over the slice")
+        raise ODCConfigError(f"{entry.title}: {route} under {how}: each member holds a slice of the sample, so a "
+                             "mean would count the sample once per member. Pass the slice's loss sum and token "
+                             "count (engine.backward(loss_sum, loss_tokens=n), or engine.set_loss_tokens(n) before "
+                             "loss.backward()), or a loss that is the slice's token sum times a factor every member "
+                             "shares, declared with engine.odc_micro_batch(entry, scaled_token_sum=True)")
 
 
 def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
@@ -205,9 +244,14 @@ def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
         raise ODCConfigError(f"balance policy 'lb-mini-split' splits attention with Ulysses, which cannot take the "
                              f"model's attn_implementation={shape.implementation!r}: use 'sdpa' or a flash attention")
     max_group = check_group(shape, getattr(balance, "max_group", None))
+    other = sequence_parallel.live_split_lockstep()
+    if other is not None:
+        raise ODCConfigError("balance policy 'lb-mini-split': this process already has a training engine with the "
+                             "split policy, and both would hook the same attention entry and share its split "
+                             "micro-batches: destroy() that engine first, or give this one another balance policy")
     plane = runtime.transport.control_plane
-    split = SplitRuntime(shape, max_group, tdist.get_world_size(), tdist.get_rank(), plane.world_size,
-                         runtime.split_lockstep(timeout_s))
+    limits = SplitLimits(tdist.get_world_size(), min(plane.world_size, tdist.get_world_size()), max_group)
+    split = SplitRuntime(shape, limits, tdist.get_rank(), runtime.split_lockstep(timeout_s))
     split.create_groups()
     split.install()
     return split

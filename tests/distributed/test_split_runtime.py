@@ -96,9 +96,79 @@ def test_the_trainer_balance_block_with_the_split_policy_equals_one_process(tmp_
                                            msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
 
 
+@pytest.mark.parametrize("variant", ["no loss kwargs", "local tokens"])
+def test_a_trainer_whose_loss_would_be_a_mean_per_slice_is_refused_at_its_first_iteration_on_every_rank(
+        variant, tmp_path):
+    """The Trainer's loss adds up over a split micro-batch's slices only when it is normalised by the step's global
+    loss-token count. A model that does not take num_items_in_batch (its loss a mean per micro-batch), or
+    average_tokens_across_devices=False (each rank its own count), is refused when the loader first plans, on
+    every rank, before any micro-batch runs."""
+    odc = run_ranks(split.split_trainer_run, 2, "odc", str(tmp_path / "odc"), 3, 2, variant, timeout=300)
+    expected = ("does not take it (transformers' causal LMs do) and no compute_loss_func is given"
+                if variant == "no loss kwargs" else "needs average_tokens_across_devices=True")
+    for rank in range(2):
+        error = odc[rank]["error"]
+        assert error is not None and error.startswith("ODCConfigError: zero_optimization.odc.balance.policy "
+                                                      "'lb-mini-split' with the Trainer needs "), error
+        assert expected in error, error
+        assert odc[rank]["counts"] == [] and odc[rank]["weights"] == {}  # not one step ran
+
+
 def test_a_group_the_model_heads_do_not_allow_is_refused_at_initialize_by_name():
     errors = run_ranks(split.refused_heads, 2, timeout=120)
     for error in errors:
         assert error.startswith("ODCConfigError: zero_optimization.odc.balance.max_group=4: the model has 6 query "
                                 "heads and 6 key/value heads"), error
         assert "the largest group these heads allow is 2" in error
+
+
+@pytest.mark.parametrize("route", ["token", "scaled", "torch token", "torch scaled", "mean", "torch mean",
+                                   "mean rule"])
+def test_every_backward_route_in_a_split_micro_batch_weighs_the_sample_as_whole_or_is_refused_before_a_push(route):
+    """Sample 0 split over ranks 0-1, the rest whole, each backward by ``route``. A loss that adds up over the
+    slices (the per-token rule, or the caller's token sum over the step's count declared with
+    ``scaled_token_sum=True``; by ``engine.backward`` or torch-style ``loss.backward()``) gives every step the
+    parameters one process gets on the samples whole. A mean over the slice (the caller's with
+    gradient_accumulation_steps 1, torch-style, or the mean rule of managed accumulation) is refused by name on
+    both members before any gradient reaches an owner; the micro-batch then runs again per-token and the steps
+    still equal one process's."""
+    odc = run_ranks(split.routes, 2, route, timeout=240)
+    expected = split.route_reference(2)
+    for rank in range(2):
+        for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], expected, strict=True)):
+            worst = max(float((ours[name] - theirs[name]).abs().max()) for name in theirs)
+            assert worst <= 2e-6, f"{route}: rank {rank}, step {step}: {worst}"
+        if route not in split.REFUSED_ROUTES:
+            assert odc[rank]["error"] is None, odc[rank]["error"]
+            continue
+        error = odc[rank]["error"]
+        assert error is not None and error.startswith("ODCConfigError: split micro-batch 0 (ranks 0, 1): "), error
+        assert "would count the sample once per member" in error
+        assert ("loss.backward()" if route == "torch mean" else "engine.backward()") in error
+        before, after = odc[rank]["pushes"]
+        assert before == after, (route, rank, before, after)  # nothing reached an owner
+
+
+def test_forwards_outside_every_entry_with_a_late_member_never_fail_the_job():
+    """A frozen reference model's forwards before the entries, training-engine evaluations between and after them,
+    rank 1 late by 300 ms before each: no false mismatch, and every step equals one process."""
+    odc = run_ranks(split.outside_forwards, 2, 0.3, 2, timeout=240)
+    expected = split.route_reference(2)
+    for rank in range(2):
+        assert odc[rank]["forwards_outside"] > 0
+        for step, (ours, theirs) in enumerate(zip(odc[rank]["params"], expected, strict=True)):
+            worst = max(float((ours[name] - theirs[name]).abs().max()) for name in theirs)
+            assert worst <= 2e-6, f"rank {rank}, step {step}: {worst}"
+
+
+def test_split_groups_die_with_their_engine_and_a_second_split_engine_is_refused_by_name():
+    """Three build-destroy cycles of a split engine: threads and open descriptors (gloo's workers and sockets)
+    stay where the first cycle left them. A second training engine with the split policy while the first lives is
+    refused at initialize, naming why, on every rank."""
+    result = run_ranks(split.rebuilds, 2, 3, timeout=240)
+    for rank in range(2):
+        assert result[rank]["error"] is not None and result[rank]["error"].startswith(
+            "ODCConfigError: balance policy 'lb-mini-split': this process already has a training engine with the "
+            "split policy"), result[rank]["error"]
+        counts = result[rank]["counts"]
+        assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], counts

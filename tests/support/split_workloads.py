@@ -229,12 +229,13 @@ SPLIT_BALANCE = {"policy": "lb-mini-split", "token_cap": 48, "max_group": 2, "mi
                  "cost_model": {"a": 1.0, "b": 1.0}}
 
 
-def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2) -> dict:
+def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2, variant: str | None = None) -> dict:
     """An unmodified Trainer, packed micro-batches (``DataCollatorWithFlattening``), a tiny Llama with sdpa, on
     long-tailed lengths. ``stage="odc"``: the balance block with the split policy (every step the same samples as
     the Trainer without it); ``stage=None``: one plain process whose accumulation covers ``world`` ranks' batches.
     Returns the weights and logged loss after every step, and this rank's micro-batches per step (split ones
-    among them)."""
+    among them). ``variant`` "no loss kwargs" (a model class that declares ``accepts_loss_kwargs = False``) or
+    "local tokens" (``average_tokens_across_devices=False``): the error ``train()`` raised, if any, under "error"."""
     from transformers import DataCollatorWithFlattening, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from tests.support.hf_balance_workloads import (
@@ -263,12 +264,17 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2) ->
         gradient_accumulation_steps=2 if distributed else 2 * world, learning_rate=3e-3,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
         report_to="none", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
-        remove_unused_columns=False)
+        remove_unused_columns=False, average_tokens_across_devices=variant != "local tokens")
     torch.manual_seed(0)
     config = llama_config()
     config.use_cache = False  # packed samples attend each within itself (transformers' packed mask needs no cache)
     config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)  # not under zero.Init: the same initial weights in every run
+
+    class MeanLossLlama(LlamaForCausalLM):
+        accepts_loss_kwargs = False  # its loss is the mean over the batch's tokens, whatever the Trainer counts
+
+    model_class = MeanLossLlama if variant == "no loss kwargs" else LlamaForCausalLM
+    model = model_class(config)  # not under zero.Init: the same initial weights in every run
 
     def count(module, inputs, kwargs):
         engine = trainer.model_wrapped
@@ -278,8 +284,15 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2) ->
     model.register_forward_pre_hook(count, with_kwargs=True)
     trainer = Trainer(model=model, args=args, train_dataset=LongTailedDataset(64, seed=3),
                       data_collator=DataCollatorWithFlattening(return_position_ids=True), callbacks=[Record()])
-    trainer.train()
-    return {"weights": weights, "losses": losses, "counts": counts, "engine": type(trainer.model_wrapped).__name__}
+    error = None
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - a variant's test reads the message
+        if variant is None:
+            raise
+        error = f"{type(err).__name__}: {err}"
+    return {"weights": weights, "losses": losses, "counts": counts, "engine": type(trainer.model_wrapped).__name__,
+            "error": error}
 
 
 def refused_heads() -> str:
@@ -296,3 +309,189 @@ def refused_heads() -> str:
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+# -- the backward routes inside a split micro-batch (2 ranks) ------------------------------------------------------
+#: One step on 2 ranks: sample 0 split over ranks 0-1, then one whole micro-batch each.
+ROUTE_STEP = ((30, 9, 11), (((0,), 2, 0),), (((1,),), ((2,),)))
+
+
+def route_plan():
+    from ds_odc.balance import AllToAllCost, CostModel, SplitCostModel, SplitMicroBatch, SplitPlan
+
+    lengths, splits, whole = ROUTE_STEP
+    result = SplitPlan(lengths, CAP, SplitCostModel(CostModel.tokens(), AllToAllCost.free()), 2,
+                       tuple(SplitMicroBatch(*s) for s in splits), whole)
+    result.validate()
+    return result
+
+
+#: Routes refused inside a split micro-batch (a loss that may be a mean over the slice).
+REFUSED_ROUTES = ("mean", "torch mean", "mean rule")
+
+
+def _route_backward(engine, route: str, logits, shift_labels, global_tokens: int, world: int) -> None:
+    """One micro-batch's backward by ``route``: "token" (engine.backward with loss_tokens), "scaled" (the caller's
+    token sum over the global count, times the world: the HF Trainer's loss), "torch token" / "torch scaled" (the
+    same by loss.backward()), "mean" (the slice's mean through engine.backward), "torch mean", "mean rule"
+    (engine.backward(mean) under managed accumulation with gradient_accumulation_steps 2: the mean rule)."""
+    loss, tokens = token_sum(logits, shift_labels)
+    if route in ("token", "torch token"):
+        if route == "token":
+            engine.backward(loss, loss_tokens=tokens)
+        else:
+            engine.set_loss_tokens(tokens)
+            loss.backward()
+    elif route in ("scaled", "torch scaled"):
+        scaled = loss / global_tokens * world
+        engine.backward(scaled) if route == "scaled" else scaled.backward()
+    else:
+        mean = loss / max(tokens, 1)
+        mean.backward() if route == "torch mean" else engine.backward(mean)
+
+
+def routes(route: str) -> dict:
+    """2 ranks, one step of :data:`ROUTE_STEP` with each micro-batch's backward by ``route`` (the split one declared
+    a scaled token sum for the "scaled" routes), then a second step by engine.backward(loss_tokens). A refused
+    backward is recorded with the gradients pushed so far (none may be), then the micro-batch runs again by the
+    per-token rule, so the parameters must still equal one process's. Returns the error, the pushes counted
+    before and after it, and the parameters after each step."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_odc.balance import split_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = ds_config()
+    if route == "mean rule":
+        config.update(gradient_accumulation_steps=2, managed_gradient_accumulation=True)
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    step_plan = route_plan()
+    global_tokens = sum(int((sample(0, i, n)[1][1:] != IGNORE).sum()) for i, n in enumerate(step_plan.lengths))
+    error, pushes, history = None, None, []
+    for step in range(2):
+        mine = step_plan.for_rank(rank)
+        for m, entry in enumerate(mine):
+            if route == "mean rule" and m == len(mine) - 1:
+                engine.set_gradient_accumulation_boundary(True)
+            # one rule per step: a refused route's whole micro-batches (and every one of step 1) go per-token
+            how = route if step == 0 and (entry.split or route not in REFUSED_ROUTES) else "token"
+            part = split_batch(packed(0, entry.samples, step_plan.lengths), entry, rank)
+            with engine.odc_micro_batch(entry, scaled_token_sum=how.endswith("scaled")):
+                logits = engine(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits
+                seen = engine.optimizer.odc_gradients_seen
+                try:
+                    _route_backward(engine, how, logits, part["shift_labels"], global_tokens, world)
+                except Exception as err:  # noqa: BLE001 - the test reads the message
+                    error, pushes = f"{type(err).__name__}: {err}", (seen, engine.optimizer.odc_gradients_seen)
+                    logits = engine(input_ids=part["input_ids"], position_ids=part["position_ids"],
+                                    use_cache=False).logits
+                    loss, tokens = token_sum(logits, part["shift_labels"])
+                    engine.backward(loss, loss_tokens=tokens)
+        engine.step()
+        history.append(full_parameters(engine))
+    engine.destroy()
+    return {"error": error, "pushes": pushes, "params": history}
+
+
+def route_reference(steps: int = 2) -> list:
+    """One process: every sample of :data:`ROUTE_STEP` whole and alone, the token mean, SGD; ``steps`` times."""
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    lengths = ROUTE_STEP[0]
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        total, tokens = 0.0, 0
+        for index, length in enumerate(lengths):
+            ids, labels = sample(0, index, length)
+            loss, count = token_sum(model(input_ids=ids.unsqueeze(0)).logits, F.pad(labels, (0, 1), value=IGNORE)[1:])
+            total, tokens = total + loss, tokens + count
+        (total / tokens).backward()
+        optimizer.step()
+        history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return history
+
+
+# -- forwards outside every entry (2 ranks, one of them late) ---------------------------------------------------
+def outside_forwards(delay_s: float = 0.3, steps: int = 2) -> dict:
+    """Each step: a frozen reference model's log-probs of every sample of the rank's entries *before* them (TRL's
+    DPO precompute, GRPO's old log-probs), a no_grad forward of the training engine between entries (an
+    evaluation) and after them; rank 1 sleeps ``delay_s`` before each entry and before its precompute, so rank 0
+    sits in the split micro-batch's lockstep while rank 1 runs forwards outside every entry. Training is
+    :data:`ROUTE_STEP` by the per-token rule: the parameters must equal one process's."""
+    import time
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_odc.balance import split_batch
+
+    rank = dist.get_rank()
+    ref = frozen_reference()
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    step_plan = route_plan()
+    history, forwards_outside = [], 0
+
+    def late():
+        if rank == 1:
+            time.sleep(delay_s)
+
+    for _ in range(steps):
+        mine = step_plan.for_rank(rank)
+        late()
+        with torch.no_grad():
+            for entry in mine:  # the whole samples of every entry, on the frozen reference, outside the entries
+                for i in entry.samples:
+                    ref(input_ids=sample(0, i, step_plan.lengths[i])[0].unsqueeze(0), use_cache=False)
+                    forwards_outside += 1
+        for entry in mine:
+            late()
+            part = split_batch(packed(0, entry.samples, step_plan.lengths), entry, rank)
+            with engine.odc_micro_batch(entry):
+                logits = engine(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits
+                loss, tokens = token_sum(logits, part["shift_labels"])
+                engine.backward(loss, loss_tokens=tokens)
+            with torch.no_grad():  # an evaluation between entries
+                engine(input_ids=sample(0, 0, 12)[0].unsqueeze(0), use_cache=False)
+                forwards_outside += 1
+        engine.step()
+        with torch.no_grad():  # and after them
+            engine(input_ids=sample(0, 1, 7)[0].unsqueeze(0), use_cache=False)
+            forwards_outside += 1
+        history.append(full_parameters(engine))
+    engine.destroy()
+    ref.destroy()
+    return {"params": history, "forwards_outside": forwards_outside}
+
+
+# -- an engine's split groups live and die with it ---------------------------------------------------------------
+def _threads_and_descriptors() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def rebuilds(cycles: int = 3) -> dict:
+    """Build and destroy a split engine ``cycles`` times, trying a second split engine while the first lives.
+    Returns the second's error, and this process's threads and open descriptors after each cycle (gloo groups
+    hold worker threads and sockets: they must not grow with the cycles)."""
+    import deepspeed
+
+    counts, error = [], None
+    for cycle in range(cycles):
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+        if cycle == 0:
+            other = tiny_llama()
+            try:
+                deepspeed.initialize(model=other, model_parameters=other.parameters(), config=ds_config())
+            except Exception as err:  # noqa: BLE001 - the test reads the message
+                error = f"{type(err).__name__}: {err}"
+        engine.destroy()
+        del engine
+        import gc
+
+        gc.collect()
+        counts.append(_threads_and_descriptors())
+    return {"error": error, "counts": counts}

@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from ds_odc.balance.slices import split_batch
+from ds_odc.balance.split_cost import AllToAllCost
+from ds_odc.balance.split_limits import SplitLimits
 from ds_odc.config import BalanceConfig, parse_options
-from ds_odc.errors import ODCConfigError, ODCPeerError, ODCTimeoutError
+from ds_odc.errors import ODCConfigError, ODCError, ODCPeerError, ODCTimeoutError
 from ds_odc.integration.packed_attention import per_sample
 from ds_odc.integration.patching import PatchSet
 from ds_odc.integration.split_attention import AttentionShape, check_group
+from ds_odc.runtime import LossNormalization
 from ds_odc.runtime.split_lockstep import OWN, ODCSplitError, parse_split_key, split_key
 from tests.support.loopback import LoopbackGroup, runtime_for
+
+MEAN, TOKEN = LossNormalization.MEAN, LossNormalization.TOKEN
 
 
 # -- the lockstep -------------------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def test_slots_carry_each_entry_and_cut_split_micro_batches_to_the_rank_slice():
     from ds_odc.balance import AllToAllCost, CostModel
     from ds_odc.balance.slots import SlotCollator, StepPlanner
 
-    planner = StepPlanner(4, 1, 4000, "lb-mini-split", CostModel.tokens(), node_size=4, max_group=2,
+    planner = StepPlanner(4, 1, 4000, "lb-mini-split", CostModel.tokens(), split_limits=SplitLimits(4, 4, 2),
                           min_chunk_tokens=64, all_to_all=AllToAllCost.free())
     lengths = [4000, 300, 200, 250, 3000, 100, 120, 400]
     items = planner.slots(0, list(range(100, 108)), lengths, 2)
@@ -376,16 +381,81 @@ def test_a_split_forward_whose_backward_runs_outside_the_micro_batch_is_refused(
     from ds_odc.errors import ODCError
     from ds_odc.integration.split_attention import SplitRuntime
 
-    lockstep = types.SimpleNamespace(entry=types.SimpleNamespace(sequence=3))
-    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), 2, 4, 0, 4, lockstep)
+    lockstep = types.SimpleNamespace(entry=types.SimpleNamespace(sequence=3, title="split micro-batch 3"))
+    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), SplitLimits(4, 4, 2), 0, lockstep)
     split.note_forward(training=True)
-    split.check_backward()  # inside: fine
+    split.check_backward(TOKEN, "engine.backward()")  # inside: fine
     split.note_forward(training=True)
     lockstep.entry = None
     with pytest.raises(ODCError, match="the backward of split micro-batch 3 ran outside engine.odc_micro_batch"):
-        split.check_backward()
+        split.check_backward(TOKEN, "engine.backward()")
     split.note_forward(training=True)  # a whole micro-batch's forward, and a frozen model's, are free
-    split.check_backward()
+    split.check_backward(MEAN, "engine.backward()")
+
+
+@pytest.mark.parametrize("rule", ["MEAN", "CALLER", "TOKEN", "CALLER declared a scaled token sum"])
+@pytest.mark.parametrize("route", ["engine.backward()", "loss.backward()"])
+def test_inside_a_split_micro_batch_only_a_loss_that_adds_up_over_the_slices_is_taken(rule, route):
+    """Each member's gradient is its slice's, and the owners sum them: a mean over each slice would count the
+    sample once per member. The per-token rule and a declared scaled token sum pass; the mean rule and a caller's
+    loss that may be a mean are refused by name (before anything is pushed: the check runs where the route begins)."""
+    import types
+
+    from ds_odc.integration.split_attention import SplitRuntime
+
+    lockstep = types.SimpleNamespace(entry=types.SimpleNamespace(sequence=0, title="split micro-batch 0 (ranks 0, 1)"))
+    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), SplitLimits(4, 4, 2), 0, lockstep)
+    split.scaled_token_sum = rule.endswith("sum")
+    normalization = LossNormalization[rule.split()[0]]
+    if normalization is LossNormalization.TOKEN or split.scaled_token_sum:
+        split.check_backward(normalization, route)
+        return
+    with pytest.raises(ODCConfigError) as caught:
+        split.check_backward(normalization, route)
+    message = str(caught.value)
+    assert message.startswith(f"split micro-batch 0 (ranks 0, 1): {route} under ")
+    assert "would count the sample once per member" in message and "scaled_token_sum=True" in message
+    lockstep.entry = None  # the same loss outside a split micro-batch is the engine's usual business
+    split.check_backward(normalization, route)
+
+
+def test_split_limits_say_which_groups_exist_and_refuse_a_mismatch_by_name():
+    limits = SplitLimits(world_size=8, node_size=4, max_group=2)
+    assert limits.group_sizes == (2,) and limits.groups(2) == [0, 1, 2, 3] and limits.groups(4) == []
+    assert limits.allows((6, 7)) and not limits.allows((0, 1, 2, 3)) and not limits.allows((1, 2))
+    limits.check_matches({"max_group": None, "node_size": 4}, "a sampler")
+    with pytest.raises(ODCConfigError) as caught:
+        limits.check_matches({"max_group": 8, "node_size": 4}, "BalancedBatchSampler")
+    assert str(caught.value).startswith("BalancedBatchSampler: max_group=8 (the engine's: 2). The engine created its "
+                                        "split groups at initialize for world_size=8, node_size=4, max_group=2")
+    for bad in ({"max_group": 3}, {"max_group": 16}, {"node_size": 16}, {"world_size": 0}):
+        with pytest.raises(ODCError, match="SplitLimits: "):
+            SplitLimits(**{"world_size": 8, "node_size": 4, "max_group": 2, **bad})
+
+
+def test_the_sampler_takes_the_engines_limits_and_refuses_a_mismatch_at_its_first_iteration():
+    """The engine owns the groups: a sampler given it plans with its limits; one that also asks for another
+    max_group or node_size is refused when it first plans (on every rank alike: each plans every step); without
+    an engine, both must be given."""
+    import types
+
+    from ds_odc.balance import BalancedBatchSampler
+
+    engine = types.SimpleNamespace(odc_split_limits=SplitLimits(4, 4, 2))
+    lengths = [4000, 300, 200, 250, 3000, 100, 120, 400] * 2
+    common = dict(samples_per_rank=2, token_cap=4000, policy="lb-mini-split", world_size=4, rank=0,
+                  all_to_all=AllToAllCost.free(), min_chunk_tokens=64, seed=1)
+    sampler = BalancedBatchSampler(lengths, engine=engine, **common)
+    explicit = BalancedBatchSampler(lengths, max_group=2, node_size=4, **common)
+    assert sampler.entries() == explicit.entries()
+    assert all(len(e.ranks) <= 2 for step in sampler.entries() for e in step)
+    wrong = BalancedBatchSampler(lengths, engine=engine, max_group=8, **common)  # built: refused when it plans
+    with pytest.raises(ODCConfigError, match=r"BalancedBatchSampler: max_group=8 \(the engine's: 2\)"):
+        next(iter(wrong))
+    with pytest.raises(ODCConfigError, match="the engine has no split policy"):
+        next(iter(BalancedBatchSampler(lengths, engine=types.SimpleNamespace(odc_split_limits=None), **common)))
+    with pytest.raises(Exception, match="pass engine="):
+        BalancedBatchSampler(lengths, max_group=2, **common)
 
 
 def test_the_dispatcher_runs_packed_whole_micro_batches_per_sample_and_the_rest_as_the_original():
@@ -397,7 +467,7 @@ def test_the_dispatcher_runs_packed_whole_micro_batches_per_sample_and_the_rest_
         calls.append((query.shape[2], attention_mask))
         return query.transpose(1, 2), None
 
-    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), 2, 4, 0, 4, lockstep=None)
+    split = SplitRuntime(AttentionShape(4, 2, 8, 2, "sdpa"), SplitLimits(4, 4, 2), 0, lockstep=None)
     attend = split._dispatcher(core)
     q = torch.zeros(1, 4, 7, 8)
     attend(None, q, q, q, "mask", position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
