@@ -47,13 +47,22 @@ def check_padding(padding: str, pad_to_multiple_of: int) -> None:
         raise ODCError(f"pad_to_multiple_of={pad_to_multiple_of} needs padding='padded': packed samples are not padded")
 
 
-def check_lengths(lengths: Sequence[int], token_cap: int, pad_to_multiple_of: int = 1) -> None:
-    """Every sample must fit a micro-batch on its own, after the collator rounds it up."""
+def check_samples(lengths: Sequence[int], token_cap: int) -> None:
+    """A cap and samples a plan can be made of at all: at least 1 token each. How long a sample may be
+    depends on the policy: :func:`check_lengths` for whole samples; under the split policy up to the
+    largest group × the cap (:func:`~ds_odc.balance.split_plan.smallest_groups`)."""
     if token_cap < 1:
         raise ODCError(f"token_cap must be >= 1, got {token_cap}")
     for index, length in enumerate(lengths):
         if length < 1:
             raise ODCError(f"sample {index} has length {length}; every sample needs at least 1 token")
+
+
+def check_lengths(lengths: Sequence[int], token_cap: int, pad_to_multiple_of: int = 1) -> None:
+    """Every sample must fit a micro-batch on its own, after the collator rounds it up (every policy that
+    runs samples whole; the split policy allows longer ones: :func:`check_samples`)."""
+    check_samples(lengths, token_cap)
+    for index, length in enumerate(lengths):
         if length > token_cap:
             raise ODCError(f"sample {index} has {length} tokens, more than token_cap={token_cap}: "
                            "raise the cap or truncate the sample")

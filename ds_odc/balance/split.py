@@ -24,7 +24,7 @@ communication, and is the same on every rank (a pure function; ties go by the se
   members has finished every earlier one it belongs to, so each has reached it, and it runs.
 - **Candidates**, each priced by its step under the cost model (the last rank's finish):
 
-  1. LB-Mini on whole samples (:func:`~ds_odc.balance.planner.plan_minibatch`);
+  1. LB-Mini on whole samples (:func:`~ds_odc.balance.planner.plan_minibatch`), where every sample fits the cap;
   2. for each allowed size ``p`` whose groups tile the world, fixed SP: every sample over a group, LB-Mini
      over the ``world / p`` groups with packed micro-batches (so the plan is never worse than fixed SP);
   3. single samples split: by thresholds ``τ`` around the ideal share (total cost / ranks), a sample whose
@@ -39,6 +39,13 @@ communication, and is the same on every rank (a pure function; ties go by the se
 - **Not split:** a micro-batch whose members would hold fewer than ``min_chunk_tokens`` tokens each; and
   nothing at all in a minibatch without a long sample (one of at least ``2 × min_chunk_tokens``). Once
   some sample is long, a fixed-SP layout may carry short samples along, packed into its split micro-batches.
+- **Longer than the cap:** ``token_cap`` is what one rank's activations hold, so a sample longer than it is
+  always split, over at least the smallest group that brings each member under the cap (a member holds
+  ``ceil(tokens / p)``: :func:`~ds_odc.balance.split_plan.smallest_groups`), whatever ``min_chunk_tokens``
+  and ``min_gain`` prefer: LB-Mini on whole samples is then no candidate, fixed SP only over groups that
+  hold every sample, and the search keeps such a sample split (over a larger group where
+  ``min_chunk_tokens`` allows it). A sample longer than the largest group holds (``max_group × token_cap``,
+  or less where the world or the node has no group that large) is refused, naming it.
 
 Worked example: 4 ranks, cost = tokens, all-to-alls 0.1 per token over 4 ranks. One sample of 8000
 tokens and seven of 1000 are 15000 tokens, 3750 a rank; LB-Mini gives one rank the 8000 (idle 53%).
@@ -59,6 +66,19 @@ Over ranks 0-3 it costs each 2000 + 800 of all-to-alls, and the seven others fil
 3 [((0,), (0, 1, 2, 3), 3), ((2,), (3,), 0)]
 >>> plan.step_cost(), round(plan.idle_fraction(), 3)
 (4800.0, 0.219)
+
+With a cap of 4000 tokens, a sample of 6000 cannot run whole: it runs over ranks 0-1, 3000 tokens each,
+although ``min_chunk_tokens`` asks for 4096 (each member pays 3000 + 800 of all-to-alls), and ranks 2-3 pair
+up the four others. 20000 tokens are more than the largest group (4 ranks) holds: refused.
+
+>>> plan = plan_split([6000] + [2000] * 4, world_size=4, token_cap=4000, all_to_all=a2a, node_size=4,
+...                   min_chunk_tokens=4096)
+>>> [(s.samples, s.ranks) for s in plan.splits], [len(batches) for batches in plan.whole], plan.step_cost()
+([((0,), (0, 1))], [0, 0, 1, 1], 4000.0)
+>>> plan_split([20000, 2000], world_size=4, token_cap=4000, node_size=4)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+ds_odc.errors.ODCError: sample 0 has 20000 tokens, more than token_cap=4000 × 4 ranks = 16000 tokens, ...
 """
 from __future__ import annotations
 
@@ -67,11 +87,11 @@ import random
 from typing import Sequence
 
 from ds_odc.balance.cost import CostModel
-from ds_odc.balance.packing import PackedPacker, check_lengths, minimal_micro_batches
+from ds_odc.balance.packing import PackedPacker, minimal_micro_batches
 from ds_odc.balance.partition import refine
 from ds_odc.balance.planner import plan_minibatch
 from ds_odc.balance.split_cost import AllToAllCost, SplitCostModel
-from ds_odc.balance.split_plan import SplitMicroBatch, SplitPlan, aligned_groups, group_sizes
+from ds_odc.balance.split_plan import SplitMicroBatch, SplitPlan, aligned_groups, group_sizes, smallest_groups
 from ds_odc.errors import ODCError
 
 #: Candidate thresholds, as multiples of the ideal share (total cost / ranks).
@@ -91,12 +111,14 @@ def plan_split(lengths: Sequence[int], world_size: int, token_cap: int, cost_mod
     (default :class:`~ds_odc.balance.split_cost.AllToAllCost`, in seconds: pass both in one unit).
     ``node_size``: ranks per node (groups never cross one). ``max_group``: the largest group (2, 4 or 8;
     :func:`~ds_odc.balance.split_plan.max_group_for_heads` of the model). ``token_cap``: tokens per rank
-    in a micro-batch (a split one holds up to ``group size × token_cap``). ``min_chunk_tokens``: the fewest
+    in a micro-batch (a split one holds up to ``group size × token_cap``; a sample longer than the cap is
+    always split, one longer than the largest group holds is refused). ``min_chunk_tokens``: the fewest
     tokens a member of a split micro-batch may hold (default 2048, an assumption: the cost model prices
     compute per token and does not see that much shorter slices leave the GEMMs short of full efficiency;
     2048 tokens × the 1.5B model's hidden 1536 still fill a GPU), so no sample shorter than
-    ``2 × min_chunk_tokens`` is split on its own. ``min_gain`` (default 1%, about the cost model's own
-    error): the least relative shortening of LB-Mini's step for which a split plan is taken."""
+    ``2 × min_chunk_tokens`` is split on its own (unless it is longer than the cap). ``min_gain`` (default 1%,
+    about the cost model's own error): the least relative shortening of LB-Mini's step for which a split plan
+    is taken (where a sample is longer than the cap LB-Mini has no plan, and the best split one is taken)."""
     lengths = tuple(int(s) for s in lengths)
     for name, value in (("world_size", world_size), ("node_size", node_size), ("max_group", max_group),
                         ("min_chunk_tokens", min_chunk_tokens)):
@@ -104,26 +126,45 @@ def plan_split(lengths: Sequence[int], world_size: int, token_cap: int, cost_mod
             raise ODCError(f"plan_split: {name} must be an int >= 1, got {value!r}")
     if not 0.0 <= min_gain < 1.0:
         raise ODCError(f"plan_split: min_gain must be in [0, 1), got {min_gain}")
-    check_lengths(lengths, token_cap)
+    forced = smallest_groups(lengths, token_cap, world_size, node_size, max_group)
     model = cost_model or CostModel.tokens()
     cost = SplitCostModel(model, all_to_all or AllToAllCost())
+    sizes = group_sizes(world_size, node_size, max_group)
+    if forced:  # no whole-sample plan exists: the best split one, whatever min_gain or min_chunk_tokens say
+        best = _best_split(lengths, world_size, token_cap, cost, node_size, sizes, min_chunk_tokens, seed, forced)
+    else:
+        best = _lb_mini_or_better(lengths, world_size, token_cap, cost, node_size, sizes, min_chunk_tokens,
+                                  min_gain, seed)
+    best.validate()
+    return best
+
+
+def _lb_mini_or_better(lengths, world_size, token_cap, cost: SplitCostModel, node_size, sizes, min_chunk_tokens,
+                       min_gain, seed) -> SplitPlan:
+    """Every sample fits whole: LB-Mini's plan, unless a split plan is at least ``min_gain`` shorter."""
+    model = cost.compute
     whole_only = plan_minibatch(lengths, world_size, token_cap, "lb-mini", model, seed=seed)
     best = SplitPlan(lengths, token_cap, cost, node_size, (), whole_only.micro_batches)
-    sizes = group_sizes(world_size, node_size, max_group)
     # no plan's step is shorter than the useful work spread evenly: LB-Mini at that bound cannot be beaten
     bound = sum(model.sample_costs(lengths)) / world_size
     long_sample = any(s >= 2 * min_chunk_tokens for s in lengths)  # splitting exists to cut long samples
     if sizes and long_sample and best.step_cost() * (1.0 - min_gain) > bound:
-        candidates = [plan for p in sizes
-                      if (plan := fixed_groups(lengths, world_size, token_cap, cost, node_size, p, min_chunk_tokens,
-                                               seed)) is not None]
-        candidates.append(_Search(lengths, world_size, token_cap, cost, node_size, sizes, min_chunk_tokens,
-                                  seed).run())
-        candidate = min(candidates, key=lambda plan: (plan.step_cost(), sum(plan.rank_costs())))
+        candidate = _best_split(lengths, world_size, token_cap, cost, node_size, sizes, min_chunk_tokens, seed, {})
         if candidate.step_cost() < best.step_cost() * (1.0 - min_gain):
             best = candidate
-    best.validate()
     return best
+
+
+def _best_split(lengths, world_size, token_cap, cost: SplitCostModel, node_size, sizes, min_chunk_tokens, seed,
+                forced: dict[int, int]) -> SplitPlan:
+    """The shortest of fixed SP of each size that holds every sample and the search (candidates 2 and 3),
+    each splitting every ``forced`` sample over at least its smallest group."""
+    candidates = [plan for p in sizes
+                  if (plan := fixed_groups(lengths, world_size, token_cap, cost, node_size, p, min_chunk_tokens,
+                                           seed)) is not None]
+    candidates.append(_Search(lengths, world_size, token_cap, cost, node_size, sizes, min_chunk_tokens, seed,
+                              forced).run())
+    return min(candidates, key=lambda plan: (plan.step_cost(), sum(plan.rank_costs())))
 
 
 def fixed_groups(lengths: Sequence[int], world_size: int, token_cap: int, cost: SplitCostModel, node_size: int,
@@ -131,7 +172,10 @@ def fixed_groups(lengths: Sequence[int], world_size: int, token_cap: int, cost: 
     """Fixed SP as a split plan: every sample over a group of ``group_size``, LB-Mini over the groups with
     packed micro-batches of up to ``group_size × token_cap`` tokens, priced per member
     (:meth:`~ds_odc.balance.split_cost.SplitCostModel.fixed_group_model`). None where the aligned groups do
-    not tile the world or a micro-batch would give a member fewer than ``min_chunk_tokens`` tokens.
+    not tile the world, a sample is longer than ``group_size × token_cap`` ([Note: a member's share] in
+    :func:`~ds_odc.balance.split_plan.smallest_group`), or a micro-batch would give a member fewer than
+    ``min_chunk_tokens`` tokens (unless it holds a sample that needs this group size: one longer than
+    ``group_size / 2 × token_cap``, which no smaller group holds, so the cap overrides the preference).
 
     >>> from ds_odc.balance.split_cost import AllToAllCost
     >>> plan = fixed_groups([6, 2, 4, 4], 4, 8, SplitCostModel(CostModel.tokens(), AllToAllCost.free()), 4, 2)
@@ -139,13 +183,15 @@ def fixed_groups(lengths: Sequence[int], world_size: int, token_cap: int, cost: 
     ([((0, 1), (0, 1)), ((2, 3), (2, 3))], 4.0)
     """
     groups = aligned_groups(world_size, node_size, group_size)
-    if len(groups) * group_size != world_size:
+    if len(groups) * group_size != world_size or max(lengths, default=0) > group_size * token_cap:
         return None
     model = cost.fixed_group_model(group_size)
     plan = plan_minibatch(lengths, len(groups), token_cap * group_size, "lb-mini", model, seed=seed)
     splits = tuple(SplitMicroBatch(tuple(batch), group_size, g)
                    for g, batches in zip(groups, plan.micro_batches) for batch in batches)
-    if any(sum(lengths[i] for i in split.samples) < group_size * min_chunk_tokens for split in splits):
+    needs_this_size = [2 * s > group_size * token_cap for s in lengths]
+    if any(sum(lengths[i] for i in split.samples) < group_size * min_chunk_tokens
+           and not any(needs_this_size[i] for i in split.samples) for split in splits):
         return None
     return SplitPlan(tuple(lengths), token_cap, cost, node_size, splits, tuple(() for _ in range(world_size)))
 
@@ -161,17 +207,20 @@ class _Layout:
 
 
 class _Search:
-    """Candidates of the third kind: a choice maps a sample to its group size (absent: whole)."""
+    """Candidates of the third kind: a choice maps a sample to its group size (absent: whole). A ``forced``
+    sample (longer than the cap: index -> its smallest group) is in every choice, over that group or a larger
+    one that ``min_chunk_tokens`` allows."""
 
     def __init__(self, lengths, world_size, token_cap, cost: SplitCostModel, node_size, sizes, min_chunk_tokens,
-                 seed):
+                 seed, forced: dict[int, int]):
         self.lengths, self.world_size, self.cost, self.node_size = lengths, world_size, cost, node_size
-        self.token_cap, self.sizes = token_cap, sizes
+        self.token_cap, self.sizes, self.forced = token_cap, sizes, forced
         self.order = list(range(len(lengths)))
         random.Random(seed).shuffle(self.order)  # the seed decides ties, as in plan_minibatch
         self.position = {item: p for p, item in enumerate(self.order)}
         self.costs = cost.compute.sample_costs(lengths)
-        self.allowed = [[p for p in sizes if s >= p * min_chunk_tokens] for s in lengths]
+        self.allowed = [[p for p in sizes if p == forced.get(i) or (p > forced.get(i, 1) and s >= p * min_chunk_tokens)]
+                        for i, s in enumerate(lengths)]
         self.groups = {p: aligned_groups(world_size, node_size, p) for p in sizes}
         self.layouts: dict[tuple, _Layout] = {}
         self.refine_rounds: int | None = REFINE_ROUNDS  # while searching: a bounded polish
@@ -181,8 +230,9 @@ class _Search:
         the best layout, packed."""
         ideal = sum(self.costs) / self.world_size
         starts = [self.by_threshold(ideal * factor) for factor in THRESHOLDS]
-        starts += [{i: max(q for q in sizes if q <= p)
-                    for i, sizes in enumerate(self.allowed) if sizes and sizes[0] <= p} for p in self.sizes]
+        starts += [self.with_forced({i: max(q for q in sizes if q <= p)
+                                     for i, sizes in enumerate(self.allowed) if sizes and sizes[0] <= p})
+                   for p in self.sizes]
         unique = {tuple(sorted(choice.items())): choice for choice in starts}
         ranked = sorted(unique.values(), key=lambda choice: self.layout(choice).key)
         best = min((self.improve(choice) for choice in ranked[:SEARCH_STARTS]), key=lambda layout: layout.key)
@@ -200,7 +250,11 @@ class _Search:
                 continue
             fits = [p for p in self.allowed[i] if self.cost.member(length, p) <= tau]
             choice[i] = fits[0] if fits else self.allowed[i][-1]
-        return choice
+        return self.with_forced(choice)
+
+    def with_forced(self, choice: dict[int, int]) -> dict[int, int]:
+        """``choice`` with every forced sample it leaves whole over its smallest group."""
+        return {**self.forced, **choice}
 
     def improve(self, choice: dict[int, int]) -> _Layout:
         """Give one sample that loads the busiest rank another group size (whole included), keeping the
@@ -212,7 +266,7 @@ class _Search:
                           + self.heaviest(i for s in layout.splits if busiest in s.ranks for i in s.samples))
             moves = []
             for i in candidates:
-                for p in [1] + self.allowed[i]:
+                for p in ([] if i in self.forced else [1]) + self.allowed[i]:  # a forced sample is never whole
                     if p != choice.get(i, 1):
                         move = {k: v for k, v in choice.items() if k != i}
                         if p > 1:

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+from ds_odc.balance.packing import check_samples
 from ds_odc.balance.split_cost import SplitCostModel
 from ds_odc.errors import ODCError
 
@@ -54,6 +55,62 @@ def group_sizes(world_size: int, node_size: int, max_group: int) -> list[int]:
             sizes.append(p)
         p *= 2
     return sizes
+
+
+def smallest_group(length: int, token_cap: int, sizes: Sequence[int]) -> int | None:
+    """The fewest ranks a sample of ``length`` tokens can run on under ``token_cap`` tokens a rank: 1 (whole) up
+    to the cap, else the smallest of the group ``sizes`` that holds it, else None.
+
+    [Note: a member's share] A split micro-batch of ``t`` tokens over ``p`` ranks gives each member
+    ``ceil(t / p)`` tokens (:func:`~ds_odc.balance.slices.split_batch` pads the sequence to a multiple of
+    ``p``), so it fits the cap exactly when ``t <= p × token_cap``: 2001 tokens under a cap of 1000 pad to
+    2002 over 2 ranks, 1001 each, and need 4.
+
+    >>> [smallest_group(n, 1000, [2, 4]) for n in (1000, 1001, 2000, 2001, 4000, 4001)]
+    [1, 2, 2, 4, 4, None]
+    """
+    for p in (1, *sorted(sizes)):
+        if length <= p * token_cap:
+            return p
+    return None
+
+
+def smallest_groups(lengths: Sequence[int], token_cap: int, world_size: int, node_size: int,
+                    max_group: int) -> dict[int, int]:
+    """Each sample longer than ``token_cap`` (by index) and the smallest group that brings its members under
+    the cap (:func:`smallest_group`; the groups: :func:`group_sizes`). A split plan must split these, whatever
+    it prefers otherwise: the cap is what a rank's activation memory holds. A sample that not even the largest
+    group holds is refused, naming it and what to change.
+
+    >>> smallest_groups([500, 3000, 900], 1000, world_size=8, node_size=8, max_group=4)
+    {1: 4}
+    >>> smallest_groups([500, 3000], 1000, world_size=8, node_size=8, max_group=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ds_odc.errors.ODCError: sample 1 has 3000 tokens, more than token_cap=1000 × 2 ranks = 2000 tokens, ...
+    """
+    check_samples(lengths, token_cap)
+    sizes = group_sizes(world_size, node_size, max_group)
+    largest = max(sizes, default=1)
+    forced = {}
+    for index, length in enumerate(lengths):
+        group = smallest_group(length, token_cap, sizes)
+        if group is None:
+            raise ODCError(_too_long(index, length, token_cap, largest, world_size, node_size, max_group))
+        if group > 1:
+            forced[index] = group
+    return forced
+
+
+def _too_long(index, length, token_cap, largest, world_size, node_size, max_group) -> str:
+    limits = f"max_group {max_group}, node size {node_size}, world size {world_size}"
+    if largest == 1:
+        return (f"sample {index} has {length} tokens, more than token_cap={token_cap}, and no sample can be split "
+                f"here (no aligned group of 2 or more ranks: {limits}): raise token_cap, or truncate the sample")
+    return (f"sample {index} has {length} tokens, more than token_cap={token_cap} × {largest} ranks = "
+            f"{largest * token_cap} tokens, the most the largest group holds ({limits}; a member holds "
+            "ceil(tokens / ranks)): raise token_cap or max_group (the model's heads must divide by a larger "
+            "group), or truncate the sample")
 
 
 def max_group_for_heads(attention_heads: int, kv_heads: int, limit: int = 8) -> int:
@@ -114,7 +171,8 @@ class MicroBatch:
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
     """``splits`` in the order every member runs them, then ``whole[rank][m]`` (sample indices of the
-    rank's m-th whole micro-batch, heaviest first). Priced by ``cost``; tokens per member under ``token_cap``."""
+    rank's m-th whole micro-batch, heaviest first). Priced by ``cost``; tokens per member under ``token_cap``
+    (so a sample longer than the cap is split: :func:`smallest_groups`)."""
 
     lengths: tuple[int, ...]
     token_cap: int
@@ -197,7 +255,7 @@ class SplitPlan:
                 raise ODCError(f"{self.policy} plan: samples {split.samples} on group {split.group_index} of {p} "
                                f"ranks, not an aligned power-of-two group inside a node of {self.node_size}")
             tokens = sum(self.lengths[i] for i in split.samples)
-            if not split.samples or math.ceil(tokens / p) > self.token_cap:
+            if not split.samples or math.ceil(tokens / p) > self.token_cap:  # [Note: a member's share]
                 raise ODCError(f"{self.policy} plan: split micro-batch {split.samples} gives each of {p} members "
                                f"{math.ceil(tokens / p)} tokens (cap {self.token_cap})")
         for rank, batches in enumerate(self.whole):

@@ -203,8 +203,117 @@ def test_bad_arguments_are_refused():
     for kwargs in ({"world_size": 0}, {"node_size": 0}, {"max_group": 0}, {"min_chunk_tokens": 0}, {"min_gain": 1.0}):
         with pytest.raises(ODCError):
             plan_split([10, 20], **{"world_size": 2, "token_cap": 100, **kwargs})
-    with pytest.raises(ODCError, match="more than token_cap"):
-        plan_split([200], 2, 100)
+    with pytest.raises(ODCError, match="sample 0 has 201 tokens"):
+        plan_split([201], 2, 100)  # a group of 2 holds 2 x 100 tokens of one sample at most
+
+
+# -- samples longer than the cap: split over the smallest group that fits, or refused -------------------------
+def smallest_fit(length, cap, sizes):
+    """The fewest ranks holding ``length`` under ``cap`` each (a member holds ceil(length / p): the slices pad)."""
+    return next((p for p in [1, *sizes] if -(-length // p) <= cap), None)
+
+
+def test_a_sample_over_the_cap_is_split_even_where_lb_mini_is_better_and_min_chunk_says_no():
+    # 1001 tokens with a cap of 1000 on 2 ranks: whole it would balance perfectly against the 1000 tokens of
+    # short samples, and a member's 501 tokens are under min_chunk_tokens, yet the cap is a hard limit
+    lengths = [1001, 500, 500]
+    plan = plan_split(lengths, 2, 1000, node_size=2, max_group=2, min_chunk_tokens=2048, min_gain=0.5)
+    check_feasible(plan, 2)
+    assert [s.samples[:1] for s in plan.splits] == [(0,)] and plan.splits[0].group_size == 2
+
+
+@pytest.mark.parametrize("length,group", [(2000, 2), (2001, 4), (4000, 4), (4001, 8), (8000, 8)])
+def test_the_smallest_fitting_group_is_the_floor(length, group):
+    # ceil(2001 / 2) = 1001 > 1000: the slices pad 2001 tokens to 2002, so 2001 needs 4 ranks
+    plan = plan_split([length, 300, 300], 8, 1000, node_size=8, max_group=8, min_chunk_tokens=64)
+    check_feasible(plan)
+    [split] = [s for s in plan.splits if 0 in s.samples]
+    assert split.group_size >= group
+
+
+@pytest.mark.parametrize("kwargs,largest", [({"max_group": 2}, 2), ({"node_size": 2}, 2), ({"world_size": 2}, 2),
+                                            ({"max_group": 1}, 1), ({"world_size": 1}, 1)])
+def test_beyond_the_largest_group_the_sample_is_refused_by_name(kwargs, largest):
+    arguments = {"world_size": 4, "token_cap": 1000, "node_size": 4, "max_group": 4, **kwargs}
+    plan_split([100, largest * 1000], **arguments)  # the most the largest group holds: planned
+    named = f"× {largest} ranks = {largest * 1000} tokens" if largest > 1 else "no sample can be split here"
+    with pytest.raises(ODCError, match=rf"sample 1 has {largest * 1000 + 1} tokens, more than token_cap=1000.* "
+                                       rf"{named}.*raise token_cap"):
+        plan_split([100, largest * 1000 + 1], **arguments)
+
+
+def test_fixed_sp_over_too_small_a_group_is_no_candidate():
+    cost = SplitCostModel(CostModel.tokens(), AllToAllCost.free())
+    assert fixed_groups([3000, 100], 4, 1000, cost, 4, 2) is None  # 1500 tokens a member: over the cap
+    plan = fixed_groups([3000, 1000], 4, 1000, cost, 4, 4, min_chunk_tokens=2048)  # the 3000 one needs 4 ranks
+    assert plan is not None and [s.samples for s in plan.splits] == [(0, 1)]
+
+
+@given(data=st.data(), world=st.integers(1, 16), node=st.sampled_from([2, 4, 6, 8]),
+       max_group=st.sampled_from([1, 2, 4, 8]), min_chunk=st.sampled_from([1, 64, 5000]), seed=st.integers(0, 3),
+       latency=st.sampled_from([0.0, 500.0]), beyond=st.sampled_from([False, False, True]))
+@settings(max_examples=150, deadline=None)
+def test_any_sample_up_to_the_largest_group_trains_and_beyond_it_is_refused(data, world, node, max_group, min_chunk,
+                                                                           seed, latency, beyond):
+    cap = 1000
+    sizes = group_sizes(world, node, max_group)
+    most = max(sizes, default=1) * cap  # what the largest group holds of one sample
+    longer = st.integers(cap + 1, most) if most > cap else st.integers(1, cap)
+    lengths = data.draw(st.lists(st.one_of(st.integers(1, cap), longer), min_size=1, max_size=24))
+    if beyond:  # one sample no group holds, anywhere in the minibatch
+        index = data.draw(st.integers(0, len(lengths) - 1))
+        lengths[index] = data.draw(st.integers(most + 1, most + cap))
+    a2a = AllToAllCost(layers=1, all_to_alls_per_layer=2, bytes_per_token=1.0, bandwidth=8.0, latency=latency)
+    model = CostModel(quadratic=1e-3, linear=1.0, per_micro_batch=3.0)
+    kwargs = dict(node_size=node, max_group=max_group, min_chunk_tokens=min_chunk, seed=seed)
+    if beyond:
+        with pytest.raises(ODCError, match=f"sample {index} has {lengths[index]} tokens"):
+            plan_split(lengths, world, cap, model, a2a, **kwargs)
+        return
+    plan = plan_split(lengths, world, cap, model, a2a, **kwargs)
+    plan.validate()
+    check_feasible(plan, max_group)
+    group_of = {i: s.group_size for s in plan.splits for i in s.samples}
+    floors = [smallest_fit(s, cap, sizes) for s in lengths]
+    for i, floor in enumerate(floors):
+        assert group_of.get(i, 1) >= floor  # over the cap: split, over at least the smallest group that fits
+    if all(floor == 1 for floor in floors):
+        assert plan.step_cost() <= lb_mini_step(lengths, world, cap, model, seed) * (1 + 1e-9)
+        return
+    for p in sizes:  # with a sample over the cap: never worse than fixed SP of a size that holds every sample
+        fixed = fixed_groups(lengths, world, cap, SplitCostModel(model, a2a), node, p, min_chunk, seed)
+        if fixed is not None:
+            assert plan.step_cost() <= fixed.step_cost() * (1 + 1e-9)
+
+
+def test_the_callers_plan_a_sample_over_the_cap_under_the_split_policy_only():
+    from ds_odc.balance import BalancedBatchSampler
+    from ds_odc.balance.slots import StepPlanner
+    from ds_odc.balance.split_limits import SplitLimits
+
+    lengths = [3500, 300, 200, 250, 900, 100, 120, 400]  # 3500 tokens: 3.5 x the cap, over 4 ranks
+    common = dict(samples_per_rank=2, token_cap=1000, world_size=4, seed=1, shuffle=False)
+    samplers = [BalancedBatchSampler(lengths, policy="lb-mini-split", rank=rank, max_group=4, node_size=4,
+                                     all_to_all=AllToAllCost.free(), min_chunk_tokens=64, **common)
+                for rank in range(4)]
+    [entries] = samplers[0].entries()
+    [long_one] = [entry for entry in entries if 0 in entry.samples]
+    assert long_one.ranks == (0, 1, 2, 3) and all(long_one in sampler.entries()[0] for sampler in samplers)
+    planner = StepPlanner(4, 0, 1000, "lb-mini-split", CostModel.tokens(), split_limits=SplitLimits(4, 4, 4),
+                          min_chunk_tokens=64)
+    assert any(0 in entry.samples and len(entry.ranks) == 4 for entry in planner.plan(lengths, seed=0).for_rank(0))
+    with pytest.raises(ODCError, match="sample 0 has 3500 tokens, more than token_cap=1000 × 2 ranks"):
+        StepPlanner(4, 0, 1000, "lb-mini-split", CostModel.tokens(), split_limits=SplitLimits(4, 4, 2)).plan(lengths, 0)
+    with pytest.raises(ODCError, match="sample 0 has 3500 tokens, more than token_cap=1000: raise the cap"):
+        BalancedBatchSampler(lengths, policy="lb-mini", rank=0, **common).plans()  # whole samples: the cap
+
+
+def test_validate_refuses_a_whole_micro_batch_over_the_cap():
+    cost = SplitCostModel(CostModel.tokens(), AllToAllCost.free())
+    plan = SplitPlan((12, 2), 8, cost, 2, (SplitMicroBatch((0,), 2, 0),), (((1,),), ()))
+    plan.validate()  # 12 tokens over 2 ranks: 6 each
+    with pytest.raises(ODCError, match="rank 1 micro-batch 0 has 1 samples, 12 tokens"):
+        dataclasses.replace(plan, splits=(), whole=(((1,),), ((0,),))).validate()
 
 
 def test_validate_names_a_misaligned_or_cross_node_group_and_a_lost_sample():
