@@ -239,6 +239,9 @@ def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
     collective: every rank calls it at ``deepspeed.initialize``."""
     import torch.distributed as tdist
 
+    from ds_odc.integration.surface import SPLIT_POLICY, require_feature
+
+    require_feature(SPLIT_POLICY)  # the private names only this policy needs, on the installed releases
     shape = attention_shape(engine.module)
     if shape.implementation in REFUSED_IMPLEMENTATIONS:
         raise ODCConfigError(f"balance policy 'lb-mini-split' splits attention with Ulysses, which cannot take the "

@@ -1,5 +1,6 @@
 """The table of every private name of DeepSpeed, torch, accelerate and transformers that ds_odc relies
-on (:data:`SURFACE`), and of every process-wide effect ds_odc has (:data:`PROCESS_WIDE`). Data only:
+on (:data:`SURFACE`; which releases have which form: :data:`CHANGES`; names only one feature needs: :data:`FEATURES`),
+and of every process-wide effect ds_odc has (:data:`PROCESS_WIDE`). Data only:
 :mod:`ds_odc.integration.surface` checks the names and explains what each check proves."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Kind(enum.Enum):
     CHECKPOINT_KEY = "checkpoint key"
     FILE_NAME = "file name part"
     SOURCE_TEXT = "text in the source"
+    SIGNATURE = "call signature"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,10 @@ class Change:
 TORCH_STYLE_BACKWARD = Change("TORCH_STYLE_BACKWARD", "0.18.3", "loss.backward() on an engine (DeepSpeedEngine."
                               "_backward_post_hook, _backward_prologue_per_tensor, _running_engine_backward)",
                               "engine.backward() only: ODCEngine's overrides of those hooks are never called")
+ULYSSES_VARIABLE_LENGTH = Change("ULYSSES_VARIABLE_LENGTH", "0.18.2", "UlyssesSPAttentionHF(..., seq_length_is_"
+                                 "variable=True) without local_seq_length / global_seq_length",
+                                 "both are required: the split policy's groups cannot build their Ulysses attention "
+                                 "as ds_odc calls it, and the policy is refused by name at initialize")
 LOAD_DS_CONFIG = Change("LOAD_DS_CONFIG", "0.18.6", "deepspeed.runtime.tensor_parallel.init_utils.load_ds_config "
                         "reads a ds_config given as a path", "ds_odc reads the file as DeepSpeedConfig does (hjson, "
                         "duplicate keys refused with DeepSpeed's own hook)")
@@ -49,6 +55,10 @@ COALESCE_GRAD_REDUCTION = Change("COALESCE_GRAD_REDUCTION", "0.19.1", "engine.co
                                  "through ZeRO-3's bucket, which ODC pushes")
 CHECKPOINT_STATE = Change("CHECKPOINT_STATE", "0.19.3", "DeepSpeedEngine._common_checkpoint_state builds the "
                           "model-states dict", "_save_checkpoint builds it (the same keys)")
+ULYSSES_CORE_ATTN = Change("ULYSSES_CORE_ATTN", "0.19.0", "UlyssesSPAttentionHF.core_attn_implementation "
+                           "(its forward rebuilds flex_attention's block mask for the gathered sequence)",
+                           "no such attribute, and a forward that never reads one: the split policy sets it all the "
+                           "same, harmlessly (it refuses flex_attention, the one implementation it selects)")
 IPG_BUCKET_GROUP = Change("IPG_BUCKET_GROUP", "0.19.3", "IPGBucketZ3.process_group, cleared with the bucket",
                           "buckets have no group: nothing to clear")
 MANAGED_ACCUMULATION = Change("MANAGED_ACCUMULATION", "0.19.4", "\"managed_gradient_accumulation\": false "
@@ -56,6 +66,9 @@ MANAGED_ACCUMULATION = Change("MANAGED_ACCUMULATION", "0.19.4", "\"managed_gradi
                               "DeepSpeed ignores the key and counts micro-steps; an ODC engine provides it (reads "
                               "the key, and every step() is its boundary); a ZeRO-3 engine stays managed, as "
                               "DeepSpeed has it")
+ALL_TO_ALL_GROUPS = Change("ALL_TO_ALL_GROUPS", "0.19.7", "deepspeed.sequence.layer._all_to_all_groups: Ulysses "
+                           "registers each group by name for its all-to-all operator, and never forgets it",
+                           "no registry: the split policy's groups have nothing to forget when they are destroyed")
 NORM_DTYPE = Change("NORM_DTYPE", "0.19.6", "deepspeed.runtime.zero.utils.get_norm_dtype(), the dtype ZeRO-3 sums "
                     "squared gradient norms in", "ZeRO-3 sums them in float64 (.double()): so does ODC")
 #: transformers, within its tested range (:data:`ds_odc.integration.versions.TESTED_HF`)
@@ -63,9 +76,26 @@ TRAINER_RUN_EPOCH = Change("TRAINER_RUN_EPOCH", "5.3.0", "Trainer._run_epoch (wh
                            "steps is set) and Trainer._track_num_input_tokens", "both inline in _inner_training_loop: "
                            "the balance block (which binds them per Trainer) is refused by name; the odc stage itself "
                            "works", package="transformers")
-CHANGES = (TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, COALESCE_GRAD_REDUCTION, CHECKPOINT_STATE,
-           IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE,
+CHANGES = (ULYSSES_VARIABLE_LENGTH, TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, ULYSSES_CORE_ATTN, COALESCE_GRAD_REDUCTION,
+           CHECKPOINT_STATE, IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE, ALL_TO_ALL_GROUPS,
            TRAINER_RUN_EPOCH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A part of ds_odc a job asks for, whose private names the rest of ds_odc does not need. Its entries
+    (``feature=`` it) are not checked at ``import ds_odc``: the feature checks them when a job asks for it
+    (:func:`ds_odc.integration.surface.require_feature`, at ``initialize``), and is refused there, by name, on a
+    release that lacks one, while every other feature works. ``since``: the feature is refused on the releases
+    before that change (its ``older`` says why); on those, its entries are not required of the release."""
+    key: str  # the constant's name here
+    name: str  # as a user asks for it, e.g. "balance policy 'lb-mini-split'"
+    since: Change | None = None
+
+
+#: Long samples split over ranks (:mod:`ds_odc.integration.split_attention`).
+SPLIT_POLICY = Feature("SPLIT_POLICY", "balance policy 'lb-mini-split'", since=ULYSSES_VARIABLE_LENGTH)
+FEATURES = (SPLIT_POLICY,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +110,7 @@ class PrivateName:
     found_in: str | None = None  # source checks: a function of ``cls`` (else of the module), or a file
     since: Change | None = None  # the entry holds from this change's release on (None: every supported release)
     before: Change | None = None  # the entry holds only before this change's release
+    feature: Feature | None = None  # checked for this feature only, when a job asks for it (None: at import)
 
     @property
     def owner(self) -> str:
@@ -102,6 +133,7 @@ class PrivateName:
             Kind.CHECKPOINT_KEY: f"checkpoint key {self.name!r} written by {where}",
             Kind.FILE_NAME: f"file name part {self.name!r} in {where}",
             Kind.SOURCE_TEXT: f"{self.name!r} in the source of {where}",
+            Kind.SIGNATURE: f"{where} called with the keywords {self.name} alone",
         }.get(self.kind, f"{self.kind.value} {self.owner}.{self.name}")
 
     @property
@@ -127,6 +159,7 @@ _HF, _TRAINER, _ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trai
 _BALANCE, _LOADER, _COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
                             "ds_odc/integration/hf_cost.py")
 _SPLIT = "ds_odc/integration/split_attention.py"
+_ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
 _ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
 _PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -428,16 +461,29 @@ SURFACE: tuple[PrivateName, ...] = (
                 _BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
                 found_in="_run_epoch", since=TRAINER_RUN_EPOCH),
     # -- split micro-batches (policy "lb-mini-split"): ALST's attention over groups chosen per micro-batch ------
+    # Checked when a job asks for the policy (SPLIT_POLICY), not at import: another release lacking one of them
+    # refuses this policy by name and runs everything else.
     PrivateName("transformers.modeling_utils", None, "ALL_ATTENTION_FUNCTIONS", Kind.MODULE_ATTRIBUTE, _SPLIT,
-                "the hook ALST uses: the model's attention implementation replaced by the split dispatcher"),
+                "the hook ALST uses: the model's attention implementation replaced by the split dispatcher",
+                feature=SPLIT_POLICY),
     PrivateName("transformers.configuration_utils", "PretrainedConfig", "_attn_implementation",
-                Kind.CLASS_ATTRIBUTE, _SPLIT, "which attention implementation the model calls (the entry hooked)"),
+                Kind.CLASS_ATTRIBUTE, _SPLIT, "which attention implementation the model calls (the entry hooked)",
+                feature=SPLIT_POLICY),
     PrivateName("transformers.models.llama.modeling_llama", "LlamaAttention", "num_key_value_groups",
                 Kind.INSTANCE_ATTRIBUTE, _SPLIT, "set by Ulysses when it replicates key/value heads; put back for "
-                "whole micro-batches", found_in="__init__"),
-    PrivateName("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPAttentionHF", "core_attn_implementation",
-                Kind.INSTANCE_ATTRIBUTE, _SPLIT, "set on each group's Ulysses attention, as register_with_transformers "
-                "sets it", found_in="__init__"),
+                "whole micro-batches", found_in="__init__", feature=SPLIT_POLICY),
+    PrivateName(_ULYSSES, None, "UlyssesSPAttentionHF", Kind.MODULE_ATTRIBUTE, _SPLIT,
+                "each group's attention over its members", feature=SPLIT_POLICY),
+    PrivateName(_ULYSSES, "UlyssesSPAttentionHF", "attn, batch_size, attn_head_count, attn_head_size, kv_head_count, "
+                "num_hidden_layers, process_group, seq_length_is_variable", Kind.SIGNATURE, _SPLIT,
+                "how each group's Ulysses attention is built (a variable sequence length, none given)",
+                found_in="__init__", feature=SPLIT_POLICY),
+    PrivateName(_ULYSSES, "UlyssesSPAttentionHF", "core_attn_implementation", Kind.INSTANCE_ATTRIBUTE, _SPLIT,
+                "set on each group's Ulysses attention, as register_with_transformers sets it", found_in="__init__",
+                since=ULYSSES_CORE_ATTN, feature=SPLIT_POLICY),
+    PrivateName("deepspeed.sequence.layer", None, "_all_to_all_groups", Kind.MODULE_ATTRIBUTE, _SPLIT,
+                "a destroyed group is forgotten there too (else the registry keeps its threads and sockets)",
+                since=ALL_TO_ALL_GROUPS, feature=SPLIT_POLICY),
 )
 
 

@@ -12,9 +12,20 @@ import deepspeed.runtime.zero.stage3 as ds_stage3
 import pytest
 from packaging.version import Version
 
-from ds_odc.integration import register, surface, surface_table
-from ds_odc.integration.surface import SURFACE, Kind, PrivateName, applies, assert_surface, check_surface, has
-from ds_odc.integration.surface_table import CHANGES, Change
+from ds_odc.errors import ODCConfigError
+from ds_odc.integration import register, split_attention, surface, surface_table
+from ds_odc.integration.surface import (
+    SURFACE,
+    Kind,
+    PrivateName,
+    applies,
+    assert_surface,
+    check_source,
+    check_surface,
+    has,
+    require_feature,
+)
+from ds_odc.integration.surface_table import CHANGES, FEATURES, SPLIT_POLICY, Change, Feature
 from ds_odc.integration.versions import DEEPSPEED_RANGE, TESTED_HF, check_deepspeed_version, supported_deepspeed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +47,15 @@ def test_every_accelerate_and_transformers_entry_is_found_on_the_pinned_releases
     pytest.importorskip("transformers")
     missing = check_surface(include_hf=True)
     assert missing == [], surface.format_missing(missing)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=[f.key for f in FEATURES])
+def test_every_entry_of_each_feature_is_found_on_the_pinned_releases(feature):
+    pytest.importorskip("transformers")
+    assert [e for e in SURFACE if e.feature is feature], "a feature no entry names"
+    missing = check_surface(feature=feature)
+    assert missing == [], surface.format_missing(missing)
+    require_feature(feature)
 
 
 def test_importing_ds_odc_checks_no_hf_name_and_imports_neither_hf_library():
@@ -126,6 +146,9 @@ class _ZeroLike:
     def file_name(self):
         return "zero_pp_rank_0_model_states.pt"
 
+    def build(self, attn, batch_size, process_group=None, **_):
+        return attn, batch_size, process_group
+
 
 @dataclasses.dataclass
 class _BucketRenamed:
@@ -154,6 +177,9 @@ class _ZeroLikeRenamed:
     def file_name(self):
         return "rank_0_model_states.pt"
 
+    def build(self, attn, batch_size, local_seq_length, process_group=None):
+        return attn, batch_size, local_seq_length, process_group
+
 
 _RENAMED_ENTRIES = [
     (Kind.MODULE_ATTRIBUTE, None, "_helper", None),
@@ -166,6 +192,7 @@ _RENAMED_ENTRIES = [
     (Kind.CALL_TIME_LOOKUP, "_ZeroLike", "_helper", "step"),
     (Kind.CHECKPOINT_KEY, "_ZeroLike", "frozen_shapes", "state"),
     (Kind.FILE_NAME, "_ZeroLike", "zero_pp_rank_", "file_name"),
+    (Kind.SIGNATURE, "_ZeroLike", "attn, batch_size, process_group", "build"),
 ]
 
 
@@ -220,7 +247,9 @@ def test_every_entry_names_the_ds_odc_files_that_use_it():
     for entry in SURFACE:
         for path in entry.used_by.split(", "):
             text = sources.get(path, "")
-            if entry.kind is Kind.SOURCE_TEXT:  # a release's code, not a name: the file acts on the change
+            if entry.kind is Kind.SIGNATURE:  # the call the file makes: each keyword passed by name
+                word = "".join(rf"(?=[\s\S]*\b{re.escape(k.strip())}=)" for k in entry.name.split(","))
+            elif entry.kind is Kind.SOURCE_TEXT:  # a release's code, not a name: the file acts on the change
                 word = rf"\b{(entry.before or entry.since).key}\b"
             else:
                 word = re.escape(entry.name) if entry.kind is Kind.FILE_NAME else \
@@ -234,7 +263,7 @@ def test_entries_are_unique_and_source_checks_say_where_to_look():
     keys = [(e.owner, e.name, e.kind, e.found_in) for e in SURFACE]
     assert len(keys) == len(set(keys))
     needs_source = {Kind.INSTANCE_ATTRIBUTE, Kind.PARAMETER_ATTRIBUTE, Kind.CALL_TIME_LOOKUP, Kind.CHECKPOINT_KEY,
-                    Kind.FILE_NAME, Kind.SOURCE_TEXT}
+                    Kind.FILE_NAME, Kind.SOURCE_TEXT, Kind.SIGNATURE}
     assert all((e.found_in is not None) == (e.kind in needs_source) for e in SURFACE)
 
 
@@ -245,8 +274,12 @@ def test_every_change_is_inside_the_range_named_by_its_constant_and_has_entries(
         assert getattr(surface_table, change.key) is change
         low, high = (Version(v) for v in ranges[change.package])
         assert low < Version(change.release) <= high, change
-        assert [e for e in SURFACE if change in (e.since, e.before)], f"{change.key}: no entry says what changed"
+        assert [e for e in SURFACE if change in (e.since, e.before)] or [f for f in FEATURES if f.since is change], \
+            f"{change.key}: no entry or feature says what changed"
     assert all(e.since in CHANGES + (None,) and e.before in CHANGES + (None,) for e in SURFACE)
+    for feature in FEATURES:
+        assert getattr(surface_table, feature.key) is feature and feature.since in CHANGES + (None,)
+    assert all(e.feature in FEATURES + (None,) for e in SURFACE)
 
 
 def test_an_entry_holds_from_or_before_the_release_of_its_change():
@@ -294,3 +327,186 @@ def test_registering_ds_odc_refuses_a_release_outside_the_range(monkeypatch):
     monkeypatch.setattr(surface, "check_surface", lambda include_hf=False: [])  # as if every name were there
     with pytest.raises(ImportError, match="found 0.20.0"):
         register()
+
+
+# -- per feature: a name only one feature needs is checked for that feature, at initialize ---------------------
+_GATED = Feature("_GATED", "the test's feature")
+
+
+def test_a_missing_feature_name_leaves_import_alone_and_refuses_that_feature_by_name(monkeypatch):
+    gone = PrivateName(__name__, "_ZeroLike", "no_such_method", Kind.METHOD, HERE, "test", feature=_GATED)
+    there = PrivateName(__name__, "_ZeroLike", "step", Kind.METHOD, HERE, "test", feature=_GATED)
+    monkeypatch.setattr(surface, "SURFACE", SURFACE + (gone, there))
+    assert check_surface(entries=(gone, there)) == []  # what import ds_odc checks: not the feature's names
+    assert check_surface(entries=(gone, there), feature=_GATED) == [gone]
+    assert check_surface(entries=(gone, there), feature=SPLIT_POLICY) == []  # another feature's names only
+    with pytest.raises(ODCConfigError) as raised:
+        require_feature(_GATED, entries=(gone, there))
+    message = str(raised.value)
+    assert "the test's feature needs 1 private name(s)" in message and f"deepspeed {deepspeed.__version__}" in message
+    assert f"method {__name__}._ZeroLike.no_such_method: needed by {HERE}" in message and "step" not in message
+    require_feature(SPLIT_POLICY)  # the other feature still works
+
+
+@pytest.mark.parametrize("version", ["0.18.0", "0.18.1"])
+def test_the_split_policy_is_refused_by_name_at_enable_on_a_release_before_its_since(monkeypatch, version):
+    """DeepSpeed 0.18.0/0.18.1's Ulysses requires local_seq_length and global_seq_length, which the split policy
+    does not pass: refused by name, with the release, before anything is built (enable's first call)."""
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    with pytest.raises(ODCConfigError, match=rf"balance policy 'lb-mini-split' needs deepspeed>=0\.18\.2 .*found "
+                                             rf"deepspeed {re.escape(version)}.*everything else works"):
+        split_attention.enable(engine=None, runtime=None, balance=None, timeout_s=1.0)
+
+
+def test_the_split_policy_needs_no_core_attn_implementation_before_deepspeed_0_19_0(monkeypatch):
+    """0.18.x's Ulysses has no core_attn_implementation and its forward never reads one: setting it is harmless,
+    so the entry holds from 0.19.0 on and the policy works on 0.18.2-0.18.9."""
+    (entry,) = [e for e in SURFACE if e.name == "core_attn_implementation"]
+    assert entry.feature is SPLIT_POLICY and entry.since is surface_table.ULYSSES_CORE_ATTN
+    assert not applies(entry, "0.18.9") and applies(entry, "0.19.0")
+    assert not surface.refused(SPLIT_POLICY, "deepspeed", "0.18.2") and surface.refused(SPLIT_POLICY, "deepspeed",
+                                                                                           "0.18.1")
+
+
+# -- from source: a release checked from its files, nothing imported --------------------------------------------
+_TREE = {  # a package as a release ships it
+    "fakeds/__init__.py": "from .engine import Engine\nfrom .engine import initialize as init\n",
+    "fakeds/comm/__init__.py": "from .comm import *\n",
+    "fakeds/comm/comm.py": "def barrier():\n    pass\n\ndef _private():\n    pass\n",
+    "fakeds/base.py": "class Base:\n    def save(self):\n        return dict(frozen_shapes=1)\n",
+    "fakeds/engine.py": """import dataclasses
+from dataclasses import dataclass
+from .base import Base
+try:
+    from fast import helper
+except ImportError:
+    helper = None
+__all__ = ["Engine"]
+
+
+def initialize(config):
+    engine = Engine()
+    return engine, helper
+
+
+class Engine(Base):
+    STATUS = 1
+    __slots__ = ()
+
+    def __init__(self, attn, batch_size, process_group=None, **_):
+        self.lp_buffer = None
+        self.__grads: dict = {}
+
+    @staticmethod
+    def convert(param):
+        param.ds_id = 0
+
+    def __reduce_grads(self):
+        return "zero_pp_rank_"
+
+    class Inner:
+        KEY = 2
+
+
+Alias = Engine
+
+
+@dataclasses.dataclass
+class Bucket:
+    params: list
+""",
+    "fakeds/ops/shm.cpp": 'const char* name = "deepspeed_allreduce_buffer";\n',
+}
+_FROM_SOURCE = [
+    ("fakeds", None, "Engine", Kind.MODULE_ATTRIBUTE, None),  # a re-export
+    ("fakeds", None, "init", Kind.MODULE_ATTRIBUTE, None),  # an alias of a re-export
+    ("fakeds.comm", None, "barrier", Kind.MODULE_ATTRIBUTE, None),  # through import *
+    ("fakeds.engine", None, "helper", Kind.MODULE_ATTRIBUTE, None),  # bound in a try block
+    ("fakeds.engine", "Engine", "STATUS", Kind.CLASS_ATTRIBUTE, None),
+    ("fakeds.engine", "Engine.Inner", "KEY", Kind.CLASS_ATTRIBUTE, None),
+    ("fakeds.engine", "Alias", "convert", Kind.METHOD, None),  # a class through its alias
+    ("fakeds.engine", "Engine", "_Engine__reduce_grads", Kind.METHOD, None),  # name-mangled
+    ("fakeds.engine", "Engine", "save", Kind.METHOD, None),  # a base's, in another file
+    ("fakeds.engine", "Bucket", "params", Kind.DATACLASS_FIELD, None),
+    ("fakeds.engine", "Engine", "lp_buffer", Kind.INSTANCE_ATTRIBUTE, "__init__"),
+    ("fakeds.engine", "Engine", "_Engine__grads", Kind.INSTANCE_ATTRIBUTE, "__init__"),
+    ("fakeds.engine", "Engine", "ds_id", Kind.PARAMETER_ATTRIBUTE, "convert"),
+    ("fakeds.engine", None, "Engine", Kind.CALL_TIME_LOOKUP, "initialize"),
+    ("fakeds.engine", "Engine", "frozen_shapes", Kind.CHECKPOINT_KEY, "save"),  # in a base's method
+    ("fakeds.engine", "Engine", "zero_pp_rank_", Kind.FILE_NAME, "__reduce_grads"),
+    ("fakeds", None, "deepspeed_allreduce_buffer", Kind.FILE_NAME, "ops/shm.cpp"),
+    ("fakeds.engine", "Engine", "attn, batch_size, process_group", Kind.SIGNATURE, "__init__"),
+]
+_RENAMED = {  # each of the names above, gone in a later release
+    "fakeds/__init__.py": ("from .engine import Engine", "from .engine import Engine2"),
+    "fakeds/comm/comm.py": ("def barrier", "def barrier2"),
+    "fakeds/base.py": ("frozen_shapes", "frozen_sizes"),
+}
+_REWRITTEN_ENGINE = [("import initialize as init", ""), ("helper", "helper2"), ("STATUS", "STATUS2"),
+                     ("KEY", "KEY2"), ("convert", "convert2"), ("__reduce_grads", "__reduce"), ("save", "save"),
+                     ("params: list", "params = []"), ("self.lp_buffer", "self.lp_buffer.x"),
+                     ("self.__grads:", "grads:"), ("param.ds_id", "param.ds_index"),
+                     ("engine = Engine()", "engine = object()"), ('"zero_pp_rank_"', '"rank_"'),
+                     ("attn, batch_size, process_group=None, **_", "attn, batch_size, seq_length, process_group=None")]
+
+
+def _reader(files: dict):
+    return files.get
+
+
+def _renamed_tree() -> dict:
+    files = dict(_TREE)
+    for path, (old, new) in _RENAMED.items():
+        files[path] = files[path].replace(old, new)
+    files["fakeds/__init__.py"] = files["fakeds/__init__.py"].replace("import initialize as init", "import Base")
+    engine = files["fakeds/engine.py"]
+    for old, new in _REWRITTEN_ENGINE:
+        engine = engine.replace(old, new)
+    files["fakeds/engine.py"] = engine.replace("class Engine(Base)", "class Engine")
+    files["fakeds/ops/shm.cpp"] = 'const char* name = "allreduce";\n'
+    return files
+
+
+@pytest.mark.parametrize("module, cls, name, kind, found_in", _FROM_SOURCE,
+                         ids=[f"{kind.value}: {name}" for _, _, name, kind, _ in _FROM_SOURCE])
+def test_the_source_check_finds_every_kind_and_reports_each_once_gone(module, cls, name, kind, found_in):
+    entry = PrivateName(module, cls, name, kind, HERE, "test", found_in=found_in)
+    assert check_source(_reader(_TREE), "fakeds", "1.0.0", (entry,)) == []
+    assert check_source(_reader(_renamed_tree()), "fakeds", "1.1.0", (entry,)) == [entry]
+
+
+def test_the_source_check_reads_no_module_the_release_lacks_and_checks_only_its_own_package():
+    gone = PrivateName("fakeds.missing", None, "x", Kind.MODULE_ATTRIBUTE, HERE, "test")
+    private = PrivateName("fakeds.comm", None, "_private", Kind.MODULE_ATTRIBUTE, HERE, "test")  # not through *
+    other = PrivateName("otherpkg", None, "x", Kind.MODULE_ATTRIBUTE, HERE, "test")
+    assert check_source(_reader(_TREE), "fakeds", "1.0.0", (gone, private, other)) == [gone, private]
+
+
+def test_the_source_check_holds_each_release_to_its_own_form_and_skips_a_refused_feature():
+    change = Change("X", "1.1.0", "newer", "older", package="fakeds")
+    older = PrivateName("fakeds.engine", "Engine", "STATUS", Kind.CLASS_ATTRIBUTE, HERE, "test", before=change)
+    newer = PrivateName("fakeds.engine", "Engine", "STATUS2", Kind.CLASS_ATTRIBUTE, HERE, "test", since=change)
+    feature = Feature("F", "the test's feature", since=Change("Y", "1.2.0", "newer", "older", package="fakeds"))
+    needed = PrivateName("fakeds.engine", "Engine", "KEY3", Kind.CLASS_ATTRIBUTE, HERE, "test", feature=feature)
+    for version, tree in (("1.0.0", _TREE), ("1.1.0", _renamed_tree())):
+        assert check_source(_reader(tree), "fakeds", version, (older, newer)) == []  # each its own form
+        assert check_source(_reader(tree), "fakeds", version, (older, newer, needed)) == []  # F refused there
+    both = {**_TREE, "fakeds/engine.py": _TREE["fakeds/engine.py"].replace("STATUS = 1", "STATUS = 1\n    KEY3 = 3")}
+    assert check_source(_reader(_TREE), "fakeds", "1.2.0", (older, newer, needed)) == [newer, needed]
+    assert check_source(_reader(both), "fakeds", "1.2.0", (older, newer, needed)) == [newer]
+
+
+def test_the_source_check_agrees_with_the_import_time_check_on_the_installed_deepspeed():
+    """The same table, the installed release read as files instead of imported: the same verdicts."""
+    root = os.path.dirname(os.path.dirname(deepspeed.__file__))
+
+    def read(path):
+        full = os.path.join(root, path)
+        return open(full, encoding="utf-8").read() if os.path.isfile(full) else None
+
+    entries = tuple(e for e in SURFACE if e.package == "deepspeed")
+    assert check_source(read, "deepspeed", deepspeed.__version__, entries) == []
+    gone = tuple(dataclasses.replace(e, name=e.name + "_gone") for e in entries if e.kind is not Kind.SIGNATURE)
+    from_source = check_source(read, "deepspeed", deepspeed.__version__, gone)
+    assert from_source == [e for e in gone if applies(e) and not (e.feature and surface.refused(e.feature))]
+    assert set(from_source) == set(check_surface(entries=gone)) | set(check_surface(entries=gone, feature=SPLIT_POLICY))
