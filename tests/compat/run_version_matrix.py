@@ -1,16 +1,18 @@
 """The releases ds_odc declares, each tested against its own ZeRO-3: a virtual environment per stack, then
 subsets of the test suite run in it.
 
-Opt-in (CI does not run it: it installs DeepSpeed releases). One stack per DeepSpeed release at the edges of
-the declared range and where its private names change (0.18.0, the newest 0.18 patch, 0.19.0, 0.19.6, 0.19.8), each
-with the newest transformers and accelerate; then the two ends of the transformers / accelerate range on
-DeepSpeed 0.19.8; then a release below the range, which must be refused at ``import ds_odc``. Every
-environment is made the way a user makes one: torch 2.13.0 first, held there by a constraints file (a
-package that asks for another torch fails to install instead of downloading one), then the stack's pins,
-then ds_odc from this checkout through pip's resolver (so its declared ranges must admit the stack). The
-runs put this checkout first on ``PYTHONPATH``: they test this checkout even in an environment built from
-another one. Each subset is run against that release's own ZeRO-3: the parity, checkpoint and Trainer tests
-run ZeRO-3 and ODC side by side in the same environment.
+Opt-in (CI does not run it: it installs DeepSpeed releases). One stack per DeepSpeed release at the edges of the
+declared range and where its private names change (0.18.0, the newest 0.18 patch, 0.19.0, 0.19.6, 0.19.8), each with
+the newest transformers and accelerate; then the two ends of the transformers / accelerate range on DeepSpeed
+0.19.8; then a release below the range, which must be refused at ``import ds_odc``. The "split policy" subset runs
+the split runtime's tests (balance policy "lb-mini-split"); on a release that refuses the policy by name
+(``require_feature``, e.g. DeepSpeed before 0.18.2) its cell passes as "refused by name" only if every failing test
+failed on that refusal at ``initialize``. Every environment is made the way a user makes one: torch 2.13.0 first,
+held there by a constraints file (a package that asks for another torch fails to install instead of downloading
+one), then the stack's pins, then ds_odc from this checkout through pip's resolver (so its declared ranges must
+admit the stack). The runs put this checkout first on ``PYTHONPATH``: they test this checkout even in an environment
+built from another one. Each subset is run against that release's own ZeRO-3: the parity, checkpoint and Trainer
+tests run ZeRO-3 and ODC side by side in the same environment.
 
     python tests/compat/run_version_matrix.py                       # set up what is missing, run everything
     python tests/compat/run_version_matrix.py --only 0.18.9 --subset parity
@@ -47,7 +49,11 @@ SUBSETS = {
     "checkpoint": ["tests/distributed/test_checkpoint.py"],
     "frozen engines": ["tests/distributed/test_frozen_engines.py"],
     "HF Trainer": ["tests/distributed/test_hf_trainer.py"],
+    "split policy": ["tests/unit/test_split_runtime.py", "tests/distributed/test_split_runtime.py"],
 }
+#: subset -> the Feature (its constant in ds_odc/integration/surface_table.py) it exercises. Where the release
+#: refuses that feature (require_feature), the cell passes only if every failing test failed on that refusal.
+FEATURE_SUBSETS = {"split policy": "SPLIT_POLICY"}
 DEEPSPEED_SUBSETS = list(SUBSETS)
 HF_SUBSETS = ["surface", "HF Trainer"]
 REFUSED = "refused at import"
@@ -141,7 +147,29 @@ def installed(python: str) -> dict:
 
 
 # -- one cell -------------------------------------------------------------------------------------------
-def run_subset(python: str, subset: str, work: str, timeout_s: int) -> dict:
+def feature_refusal(python: str, key: str) -> str:
+    """The first line of the ODCConfigError ``require_feature`` raises for the feature ``key`` in the environment,
+    or "" where the feature is not refused there."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from ds_odc.errors import ODCConfigError\n"
+            "from ds_odc.integration import surface, surface_table\n"
+            "try:\n    surface.require_feature(getattr(surface_table, sys.argv[2]))\n"
+            "except ODCConfigError as err:\n    print(str(err).splitlines()[0])\n")
+    done = subprocess.run([python, "-c", code, CHECKOUT, key], capture_output=True, text=True, check=True,
+                          env={**_env(python), "DS_ODC_AUTOLOAD": "0"}, timeout=300)
+    return done.stdout.strip()
+
+
+def _failures(suite) -> list:
+    """The text of each failing or erring test case of a junit report."""
+    found = []
+    for case in suite.iter("testcase"):
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            found.append(f"{bad.get('message', '')}\n{bad.text or ''}")
+    return found
+
+
+def run_subset(python: str, subset: str, work: str, timeout_s: int, refusal: str = "") -> dict:
     report = os.path.join(work, "junit.xml")
     if os.path.exists(report):
         os.remove(report)
@@ -152,7 +180,7 @@ def run_subset(python: str, subset: str, work: str, timeout_s: int) -> dict:
         code, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
         code, output = "timeout", str(err.stdout or "")
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "refused": 0}
     if os.path.exists(report):
         suite = ET.parse(report).getroot()
         suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
@@ -160,7 +188,14 @@ def run_subset(python: str, subset: str, work: str, timeout_s: int) -> dict:
         counts["failed"] = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
         counts["skipped"] = int(suite.get("skipped", 0))
         counts["passed"] = total - counts["failed"] - counts["skipped"]
-    ok = code == 0 and counts["passed"] > 0 and counts["failed"] == 0
+        if refusal:  # the feature is refused on this release: its tests fail on that refusal, and only on it
+            fragment = refusal.split(";")[0].split(" (")[0]
+            counts["refused"] = sum(fragment in text for text in _failures(suite))
+            counts["failed"] -= counts["refused"]
+    if refusal:
+        ok = code in (0, 1) and counts["refused"] > 0 and counts["failed"] == 0
+    else:
+        ok = code == 0 and counts["passed"] > 0 and counts["failed"] == 0
     return {**counts, "ok": ok, "code": code, "wall_s": time.monotonic() - started,
             "tail": "" if ok else output[-3000:]}
 
@@ -173,7 +208,7 @@ def check_refused(python: str) -> dict:
                           env={**_env(python), "DS_ODC_AUTOLOAD": "0"}, timeout=300)
     last = (done.stderr.strip().splitlines() or [""])[-1]
     ok = done.returncode != 0 and "ImportError" in done.stderr and "deepspeed>=" in done.stderr
-    return {"passed": int(ok), "failed": int(not ok), "skipped": 0, "ok": ok, "code": done.returncode,
+    return {"passed": int(ok), "failed": int(not ok), "skipped": 0, "refused": 0, "ok": ok, "code": done.returncode,
             "wall_s": time.monotonic() - started, "tail": last if ok else done.stderr[-3000:], "message": last}
 
 
@@ -182,6 +217,8 @@ def cell(result: dict | None) -> str:
         return "-"
     counts = f"{result['passed']} passed" + (f", {result['failed']} failed" if result["failed"] else "") + \
         (f", {result['skipped']} skipped" if result["skipped"] else "")
+    if result.get("refused"):
+        return f"{'refused by name' if result['ok'] else 'FAIL'} ({result['refused']} refused at initialize, {counts})"
     return f"{'pass' if result['ok'] else 'FAIL'} ({counts})"
 
 
@@ -218,8 +255,11 @@ def main(argv=None) -> int:
                     continue
                 key = (stack.venv_name, subset)
                 if key not in cache:
+                    refusal = feature_refusal(python, FEATURE_SUBSETS[subset]) if subset in FEATURE_SUBSETS else ""
+                    if refusal:
+                        print(f"{stack.name} / {subset}: the release refuses it: {refusal}", flush=True)
                     cache[key] = check_refused(python) if subset == REFUSED else \
-                        run_subset(python, subset, work, args.timeout_s)
+                        run_subset(python, subset, work, args.timeout_s, refusal)
                 results[subset] = result = cache[key]
                 print(f"{stack.name} / {subset}: {cell(result)} in {result['wall_s']:.0f} s", flush=True)
                 if result.get("message"):
