@@ -39,7 +39,7 @@ from ds_odc.balance.split_limits import SplitLimits
 from ds_odc.balance.split_plan import max_group_for_heads
 from ds_odc.errors import ODCConfigError, ODCError
 from ds_odc.integration import sequence_parallel
-from ds_odc.integration.packed_attention import is_packed, per_sample
+from ds_odc.integration.packed_attention import check_attention_forms, is_packed, per_sample, text_config_of
 from ds_odc.integration.patching import PatchSet
 from ds_odc.runtime import LossNormalization
 from ds_odc.runtime.split_lockstep import SplitLockstep
@@ -246,6 +246,7 @@ def enable(engine, runtime, balance, timeout_s: float) -> SplitRuntime:
     if shape.implementation in REFUSED_IMPLEMENTATIONS:
         raise ODCConfigError(f"balance policy 'lb-mini-split' splits attention with Ulysses, which cannot take the "
                              f"model's attn_implementation={shape.implementation!r}: use 'sdpa' or a flash attention")
+    check_attention_forms(text_config_of(engine.module), shape.implementation)  # windows, chunks, softcaps
     max_group = check_group(shape, getattr(balance, "max_group", None))
     other = sequence_parallel.live_split_lockstep()
     if other is not None:
