@@ -21,7 +21,7 @@ import json
 import os
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ds_odc.errors import ODCConfigError
 from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF
@@ -164,8 +164,18 @@ class ODCConfig(BaseModel):
     accumulator_dtype: Literal["fp32", "fp64"] = "fp32"
     """Precision of the owners' gradient accumulators. "fp32" (default): pushes from several ranks
     are summed in arrival order, so results may differ run to run in the last bits (as any change of
-    summation order does). "fp64": the sums are exact for practical purposes, hence independent of
-    arrival order (bit-reproducible runs), for 4 more bytes per shard element."""
+    summation order does). "fp64": 4 more bytes per shard element; its sums are exact while the values
+    summed into one element span less than about 2**29 in magnitude, so runs usually repeat bit for bit,
+    but that is not guaranteed (``deterministic`` is)."""
+
+    deterministic: Optional[bool] = None
+    """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
+    ranks, several nodes): each pushed value is cut into two parts on fixed grids and summed exactly in two
+    fp64 regions, folded once per step (docs/normalisation.md). Costs 16 bytes of accumulator per shard
+    element (fp32: 4) and two pushes per piece; values below about 1e-18 are rounded away. Gradients may
+    then not be read (``engine.allreduce_gradients()``, ``safe_get_full_grad``) before the step's last
+    backward. Default null: on when ``torch.use_deterministic_algorithms(True)`` is set at initialize.
+    ``accumulator_dtype`` cannot be given with it. CPU ranks only for now (refused on GPUs by name)."""
 
     loss_normalization: Literal["auto", "token"] = "auto"
     """How accumulated gradients are normalised at the step (docs/normalisation.md).
@@ -200,6 +210,13 @@ class ODCConfig(BaseModel):
         if not os.path.isdir(value):
             raise ValueError(f"directory {value!r} does not exist")
         return value
+
+    @model_validator(mode="after")
+    def _deterministic_has_its_own_accumulator(self) -> "ODCConfig":
+        if self.deterministic and "accumulator_dtype" in self.model_fields_set:
+            raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
+                             f"accumulator_dtype={self.accumulator_dtype!r} out")
+        return self
 
 
 #: ZeRO options ODC cannot honour yet: (path in zero_optimization, predicate of "in use", why).

@@ -49,11 +49,31 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
         raise RuntimeError("ZeRO-3 flat shard buffer does not match the ODC window layout")
     if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
         raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
+    device = str(buffers[0].device)
     return SessionPlan(trainable=trainable, frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in frozen],
-                       compute_dtype=compute_dtype, device=str(buffers[0].device),
+                       compute_dtype=compute_dtype, device=device,
                        norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
-                       accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype])
+                       accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype],
+                       exact=deterministic_sums(options, device))
+
+
+def deterministic_sums(options: ODCConfig, device: str) -> bool:
+    """Whether the accumulators sum exactly (``odc.deterministic``; unset: whether
+    ``torch.use_deterministic_algorithms(True)`` is on now, at initialize). Refused where it cannot hold."""
+    asked = options.deterministic
+    wanted = torch.are_deterministic_algorithms_enabled() if asked is None else asked
+    if not wanted:
+        return False
+    if asked is None and "accumulator_dtype" in options.model_fields_set:
+        raise ODCConfigError(f"torch.use_deterministic_algorithms(True) is on, and zero_optimization.odc."
+                             f"accumulator_dtype={options.accumulator_dtype!r} sums pushes in arrival order: leave "
+                             "accumulator_dtype out (the odc stage then sums exactly), or set odc.deterministic false")
+    if not device.startswith("cpu"):
+        raise ODCConfigError(f"zero_optimization.odc.deterministic on {device}: exact sums have run on CPU ranks only "
+                             "(the GPU path is not validated yet); set odc.deterministic false on GPUs, or, under "
+                             "torch.use_deterministic_algorithms(True), set it false explicitly")
+    return True
 
 
 def adopt_param_window(optimizer, runtime: ODCRuntime) -> None:

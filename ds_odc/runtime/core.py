@@ -9,6 +9,7 @@ leaves owners' accumulators with partial sums: the step could never be right).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.transport import Transport
+from ds_odc.runtime import exact_sum
 from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
@@ -31,7 +33,8 @@ class ODCRuntime:
     """Pull / push / step for one data-parallel group."""
 
     def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
-                 on_open: Optional[Callable[[], None]] = None, link: Optional[CrossNodeLink] = None):
+                 on_open: Optional[Callable[[], None]] = None, link: Optional[CrossNodeLink] = None,
+                 exact: bool = False):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
@@ -41,7 +44,9 @@ class ODCRuntime:
                              f"{self.link.node_count} nodes")
         self.node = self.link.node  # this rank's node: its own shards are that node's block
         self.world_size = transport.world_size * layout.node_count  # ZeRO-3's partitions: one per rank of the job
-        self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks)
+        self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks, exact)
+        self.exact = exact  # deterministic accumulation: coarse and fine regions ([Note: exact sums])
+        self.warned_inexact = False
         self.pulls = 0  # parameters pulled, for tests and metrics
         self.pushes = 0  # gradients pushed
 
@@ -133,11 +138,26 @@ class ODCRuntime:
                 raise ValueError(f"gradient of parameter {key} has {grad.numel()} elements, expected {slot.numel}")
             if self.world_size > 1:
                 grad.div_(self.world_size)
+            parts = [grad] if not self.exact else self._exact_parts(key, grad)
             for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
                 node, local = divmod(owner, self.transport.world_size)
-                self.transport.accumulate(local, self.layout.grad_offset(slot, node), grad.narrow(0, start, count))
+                offset = self.layout.grad_offset(slot, node)
+                for region, part in enumerate(parts):  # exact sums: the fine part in the second region
+                    self.transport.accumulate(local, offset + region * self.layout.accumulator_numel,
+                                              part.narrow(0, start, count))
         self.pushes += 1
         self.transport.heartbeat()
+
+    def _exact_parts(self, key: int, grad: torch.Tensor) -> list[torch.Tensor]:
+        coarse, fine = exact_sum.split(grad)
+        if not self.warned_inexact and exact_sum.beyond_exact_range(coarse):
+            self.warned_inexact = True
+            largest = float(grad.abs().max())
+            logging.getLogger("ds_odc").warning(
+                f"ds_odc deterministic accumulation: a gradient of parameter {key} reaches {largest:.3g} (after the "
+                f"division by the world size), beyond the range summed exactly ({exact_sum.COARSE_LIMIT:.3g}): its "
+                "sums may round differently from run to run (said once)")
+        return [coarse, fine]
 
     def record_micro_batch(self, rule: LossNormalization, tokens: int = 0, shared: bool = False) -> None:
         """One backward finished on this rank, under ``rule`` (see :mod:`ds_odc.runtime.ledger`); ``shared``:

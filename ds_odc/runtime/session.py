@@ -52,6 +52,8 @@ class SessionPlan:
     shm_dir: str = "/dev/shm"
     stripe_numel: int = 1 << 20
     accumulator_dtype: torch.dtype = torch.float32
+    #: deterministic accumulation: two fp64 regions per accumulator ([Note: exact sums]); accumulator_dtype ignored
+    exact: bool = False
     ledger: MicroBatchLedger = field(default_factory=MicroBatchLedger)
 
     def layout(self, node_count: int) -> WindowLayout:
@@ -73,8 +75,9 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
                                  timeout_s=plan.timeout_s, device=plan.device, shm_dir=plan.shm_dir,
                                  stripe_numel=plan.stripe_numel, group=nodes.node_group,
                                  first_rank=nodes.first_rank, wording=PROTOCOL_WORDING)
-    spec = WindowSpec(layout.window_numel, plan.compute_dtype, layout.accumulator_numel,
-                      ODCRuntime.exchange_width(plan.norm_groups), plan.accumulator_dtype)
+    regions, accumulator_dtype = (2, torch.float64) if plan.exact else (1, plan.accumulator_dtype)
+    spec = WindowSpec(layout.window_numel, plan.compute_dtype, regions * layout.accumulator_numel,
+                      ODCRuntime.exchange_width(plan.norm_groups), accumulator_dtype)
     failure = None
     try:
         transport.allocate(spec)
@@ -86,4 +89,4 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
     except BaseException:
         transport.close()
         raise
-    return ODCRuntime(transport, layout, plan.ledger, on_open=on_open, link=link)
+    return ODCRuntime(transport, layout, plan.ledger, on_open=on_open, link=link, exact=plan.exact)

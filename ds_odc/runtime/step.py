@@ -68,8 +68,8 @@ import torch
 from ds_odc.comm.cross_node import CrossNodeLink, NodeBlocks
 from ds_odc.comm.failure import FailureRecord
 from ds_odc.comm.transport import Transport
-from ds_odc.errors import ODCGroupFailedError, ODCStateError
-from ds_odc.runtime import crash
+from ds_odc.errors import ODCError, ODCGroupFailedError, ODCStateError
+from ds_odc.runtime import crash, exact_sum
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import WindowStash, describe, disagreement, mask
@@ -118,7 +118,7 @@ class StepProtocol:
     """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
 
     def __init__(self, transport: Transport, ledger: MicroBatchLedger, on_open: Optional[Callable[[], None]] = None,
-                 link: Optional[CrossNodeLink] = None, blocks: Optional[NodeBlocks] = None):
+                 link: Optional[CrossNodeLink] = None, blocks: Optional[NodeBlocks] = None, exact: bool = False):
         self.transport = transport
         self.ledger = ledger
         self.link = link or CrossNodeLink()  # the exchange with the other nodes (nothing on one node)
@@ -133,6 +133,8 @@ class StepProtocol:
         self._activity: Optional[Activity] = None
         self.stash = WindowStash(transport)  # where this rank's windows are (away after offload_windows)
         self.left: Optional[str] = None  # why this rank left training (leave), if it did
+        self.exact = exact  # deterministic accumulation ([Note: exact sums]): two regions, folded at a fence
+        self.folded: Optional[str] = None  # exact sums: the read that folded them before this step's end
         crash.watch(self)
 
     @property
@@ -151,6 +153,10 @@ class StepProtocol:
         self._usable()
         self._open()
         self._require({"grads"}, "a gradient push (a backward)")
+        if self.folded is not None:
+            raise ODCError(f"odc.deterministic: a gradient push after {self.folded} read the step's gradients: "
+                           "exact sums are folded into the gradients ZeRO-3 reads at that read, and later pushes "
+                           "could no longer be summed exactly. Read gradients after the step's last backward")
         self.machine.advance(Event.PUSH)
         self._discarded = None  # a micro-batch after the discard: the step cannot restore it
         self._note(Activity.MICRO_BATCHES)
@@ -178,9 +184,9 @@ class StepProtocol:
             discarded, self._discarded = self._discarded, None
             if discarded is not None and totals.total_micro_batches == 0:
                 accumulator.copy_(discarded)  # ZeRO-3 steps on the partitions zero_grad left in place
-            self.link.reduce_gradients(accumulator, self.blocks)
+            gradients = self._sum_landed(accumulator)
             if divisor != 1.0:
-                accumulator.div_(divisor)
+                gradients.div_(divisor)
             rows = self.round(RoundKind.NORM, update.squared_norms().to(torch.float64))
             self.machine.advance(Event.NORMED)
             self._note(Activity.UPDATING, force=True)
@@ -188,6 +194,7 @@ class StepProtocol:
             self.link.gather_windows(self.transport.local_param_window(), self.blocks)
             self.machine.advance(Event.UPDATED)
             accumulator.zero_()
+            self.folded = None
             self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
             self.machine.advance(Event.PUBLISHED)
         self.step_number += 1
@@ -223,7 +230,22 @@ class StepProtocol:
         pushes so far (see the module docstring), on several nodes summed over them. Collective."""
         self.meet(RoundKind.GRADIENT_FENCE, what)
         with self.failing_group(what):
-            self.link.reduce_gradients(self.transport.local_grad_accumulator(), self.blocks)
+            self._sum_landed(self.transport.local_grad_accumulator())
+        if self.exact:
+            self.folded = what
+
+    def _sum_landed(self, accumulator: torch.Tensor) -> torch.Tensor:
+        """Every push has landed (after a fence): sum the accumulator over nodes, and under exact sums fold the
+        fine region into the coarse one ([Note: exact sums]). Returns the gradients ZeRO-3 reads."""
+        if not self.exact:
+            self.link.reduce_gradients(accumulator, self.blocks)
+            return accumulator
+        half = accumulator.numel() // 2
+        coarse, fine = accumulator.narrow(0, 0, half), accumulator.narrow(0, half, half)
+        self.link.reduce_gradients(coarse, self.blocks)
+        self.link.reduce_gradients(fine, self.blocks)
+        exact_sum.combine(coarse, fine)
+        return coarse
 
     def discard_gradients(self, what: str) -> None:
         """Drop every rank's gradients since the last step (collective): fence, zero this owner's
@@ -244,6 +266,7 @@ class StepProtocol:
             accumulator = self.transport.local_grad_accumulator()
             self._discarded = accumulator.clone()
             accumulator.zero_()
+            self.folded = None
             self.ledger.reset()
             self.round(RoundKind.DISCARD, empty, what)
         self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)

@@ -44,6 +44,10 @@ CASES = {
     "fp32-uneven-unpinned-non-blocking": {
         "counts": (3, 0), "mid_accumulation": True, "pin_memory": False, "non_blocking": True,
         "calls": {1: None, 3: ["lp_grads", "lp_params"]}},
+    # deterministic sums: the accumulator's two regions (coarse and fine) go away and come back together, mid-step
+    "deterministic-uneven-token": {
+        "counts": (2, 1), "token": True, "mid_accumulation": True, "steps": 4, "odc": {"deterministic": True},
+        "calls": {1: ["lp_grads"], 2: None}},
 }
 
 

@@ -168,7 +168,7 @@ def cases(hosts, tmp_path_factory):
     one_host = str(tmp_path_factory.mktemp("ckpt_1x2"))
     two_hosts_dir = str(tmp_path_factory.mktemp("ckpt_2x2"))
     saved_on_one_host = run_ranks(train_and_save, 2, one_host)
-    names = ",".join(PARITY_CASES + UNEVEN_CASES + ("collectives", "memory", "offload_states",
+    names = ",".join(PARITY_CASES + UNEVEN_CASES + ("collectives", "memory", "offload_states", "deterministic",
                                                     f"ckpt_save:{two_hosts_dir}",
                                                     f"ckpt_load:{one_host}:{to_universal(one_host, 'saved')}"))
     port = str(next(_ports))
@@ -221,6 +221,19 @@ def test_offload_states_across_nodes_keeps_training_bit_identical(cases):
         assert offloaded["losses"] == plain["losses"], f"rank {rank}"
         for step, (a, b) in enumerate(zip(plain["params"], offloaded["params"])):
             assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} step {step}"
+
+
+def test_deterministic_sums_repeat_bit_for_bit_across_nodes(cases):
+    """odc.deterministic on 2x2 ranks, uneven counts (zero included), ranks delayed at random differently in two
+    runs: the same losses and parameters bit for bit (the fine and coarse regions are each reduced exactly across
+    nodes, then folded), and the single-process step."""
+    counts = UNEVEN["uneven_token"]
+    expected = reference_training("token", counts, masked=MASKED)
+    for rank, (first, second) in enumerate(cases["deterministic"]):
+        assert first["exact"] and first["losses"] == second["losses"], rank
+        for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
+            assert all(torch.equal(a[name], b[name]) for name in a), (rank, step)
+        assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank
 
 
 @pytest.mark.parametrize("case", UNEVEN_CASES)

@@ -132,7 +132,13 @@ def cases(names, out_dir):
     import torch
     import torch.distributed as tdist
 
-    from tests.support import checkpoint_workloads, offload_states_workloads, sync_workloads, workloads
+    from tests.support import (
+        checkpoint_workloads,
+        deterministic_workloads,
+        offload_states_workloads,
+        sync_workloads,
+        workloads,
+    )
 
     torch.set_num_threads(1)
     counting = "collectives" in names.split(",")
@@ -157,6 +163,8 @@ def cases(names, out_dir):
             result = initialize_outcome()
         elif name == "offload_states":
             result = offload_states_workloads.offload_round_trip(OFFLOAD_CASE)
+        elif name == "deterministic":
+            result = deterministic_workloads.train_twice(UNEVEN["uneven_token"], 3, "config", MASKED)
         else:
             workload, args = CASES[name]
             result = getattr(workloads, workload)(*args())

@@ -1,0 +1,27 @@
+"""Bit for bit on request: with ``odc.deterministic`` (or ``torch.use_deterministic_algorithms(True)``) two runs
+of one job give identical losses and parameters at every step, although ranks run uneven micro-batch counts
+(zero included) and are delayed at random differently in each run, so that pushes reach their owners in other
+orders. Exact sums are still the step one process takes (docs/normalisation.md)."""
+import pytest
+import torch
+
+from tests.support import deterministic_workloads as deterministic
+from tests.support.compare import worst_rel_diff
+from tests.support.harness import run_ranks
+from tests.support.workloads import reference_training
+
+COUNTS = (3, 1, 0, 2)
+MASKED = ((0, 1),)  # a micro-batch without a loss token
+FP32_TOL = 1e-5
+
+
+@pytest.mark.parametrize("via", ["config", "torch"])
+def test_two_runs_with_ranks_delayed_differently_are_identical_bit_for_bit(via):
+    runs = run_ranks(deterministic.train_twice, 4, COUNTS, 3, via, MASKED, timeout=240)
+    expected = reference_training("token", COUNTS, masked=MASKED)
+    for rank, (first, second) in enumerate(runs):
+        assert first["exact"] and second["exact"], rank
+        assert first["losses"] == second["losses"], rank
+        for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
+            assert all(torch.equal(a[name], b[name]) for name in a), (via, rank, step)
+        assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank
