@@ -461,29 +461,38 @@ class _SourceTree:
 
 
 def _looked_up(function: _Function) -> set[str]:
-    """The names ``function`` itself reads when it runs (globals, attributes, imports): its ``co_names``."""
-    names: set[str] = set()
+    """The names ``function`` itself looks up when it runs, as its ``co_names`` holds them: globals it reads (names
+    neither parameters nor assigned in it, or declared ``global``), attributes, and what it imports (the modules, by
+    their dotted names, and the names taken from them). Not those of functions nested in it."""
+    loads: set[str] = set()
+    stores = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
     declared: set[str] = set()
-    local = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+    found: set[str] = set()  # attributes and imports: looked up whatever the function's locals are
     todo: list[ast.AST] = list(function.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            local.add(getattr(node, "name", ""))
-            todo += getattr(node, "decorator_list", [])
+            stores.add(getattr(node, "name", ""))  # its body is its own code; what its definition evaluates is ours
+            todo += getattr(node, "decorator_list", []) + getattr(node, "bases", []) + getattr(node, "keywords", [])
+            arguments = getattr(node, "args", None)
+            if arguments is not None:
+                todo += [d for d in arguments.defaults + arguments.kw_defaults if d is not None]
+                todo += [a.annotation for a in ast.walk(arguments) if isinstance(a, ast.arg) and a.annotation]
+            returns = getattr(node, "returns", None)
+            todo += [returns] if returns is not None else []
             continue
         if isinstance(node, (ast.Global, ast.Nonlocal)):
             declared.update(node.names)
         elif isinstance(node, ast.Name):
-            (local if isinstance(node.ctx, ast.Store) else names).add(node.id)
+            (loads if isinstance(node.ctx, ast.Load) else stores).add(node.id)
         elif isinstance(node, ast.Attribute):
-            names.add(node.attr)
+            found.add(node.attr)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-            names.update(alias.asname or alias.name for alias in node.names)
-            names.update((node.module or "").split(".")[:1] if isinstance(node, ast.ImportFrom) else [])
+            found.update([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found.update(alias.name for alias in node.names)
+            stores.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
         todo += list(ast.iter_child_nodes(node))
-    return names - (local - declared) | (names & declared)
+    return {name for name in loads if name not in stores} | ((loads | stores) & declared) | found
 
 
 def _parameters(function: _Function) -> list[Parameter]:
@@ -527,7 +536,7 @@ def _present_in_source(entry: PrivateName, tree: _SourceTree, cache: dict) -> bo
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     if kind is Kind.CALL_TIME_LOOKUP:
-        return entry.name in _looked_up(function)
+        return _as_written_in(entry.cls, entry.name) in _looked_up(function)
     if kind is Kind.SIGNATURE:
         return _accepts(entry, _parameters(function))
     return _in_source(entry, tree.text(where, function), cache)

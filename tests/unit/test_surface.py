@@ -514,3 +514,27 @@ def test_the_source_check_agrees_with_the_import_time_check_on_the_installed_dee
     assert from_source == [e for e in gone if applies(e) and not (e.feature and surface.refused(e.feature))]
     split = set() if surface.refused(SPLIT_POLICY) else set(check_surface(entries=gone, feature=SPLIT_POLICY))
     assert set(from_source) == set(check_surface(entries=gone)) | split
+
+
+def test_the_source_rule_for_call_time_lookups_sees_every_name_co_names_holds():
+    """Over every method of DeepSpeed's engine and ZeRO-3 optimizer, as installed: each name of its ``co_names`` is
+    among those the source rule reads from its definition (name-mangled ones as the class writes them)."""
+    import ast
+    import inspect
+
+    from ds_odc.integration.surface import _as_written_in, _looked_up
+
+    unseen, checked = [], 0
+    for module, cls in ((ds_engine, "DeepSpeedEngine"), (ds_stage3, "DeepSpeedZeroOptimizer_Stage3")):
+        tree = ast.parse(open(module.__file__, encoding="utf-8").read())
+        (classdef,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+        for node in classdef.body:
+            function = getattr(getattr(module, cls), _as_written_in(None, node.name), None) \
+                if isinstance(node, ast.FunctionDef) else None
+            function = inspect.unwrap(getattr(function, "__func__", function)) if function else None
+            if function is None or getattr(function, "__name__", None) != node.name:
+                continue  # a property, or a decorator that hides what it wraps
+            checked += 1
+            names = {_as_written_in(cls, name) for name in function.__code__.co_names}
+            unseen += [f"{cls}.{node.name}: {name}" for name in names - _looked_up(node)]
+    assert checked > 100 and not unseen, unseen
