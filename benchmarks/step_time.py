@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/step_time.py --one odc --case skewed --odc '{"deterministic": true}'
                                                         # one run: a JSON line (step_ms, accumulator_bytes)
 
-Model: the examples' PackedCausalLM (examples/packed_lm.py: 4 layers, dim 128). Each step, every rank runs 4 micro-batches
-(one sequence each, equal counts so ZeRO-3 can run them too). "balanced": all sequences 256
+Model: the examples' PackedCausalLM (examples/packed_lm.py: 4 layers, dim 128). Each step, every rank runs 4
+micro-batches (one sequence each, equal counts so ZeRO-3 can run them too). "balanced": all sequences 256
 tokens. "skewed": rank 0 gets 64-token sequences, rank 1 448-token ones (same total as balanced),
 the per-layer imbalance ZeRO-3's collectives turn into waiting. Median over 8 steps after 2 warm-up
 steps; memory is each rank's peak RSS.

@@ -76,7 +76,8 @@ class BalanceConfig(BaseModel):
 
     token_cap: Annotated[int, Field(ge=1)]
     """Most tokens in one micro-batch, as the data collator produces it (a padded micro-batch counts its
-    padded size). Required; a sample longer than the cap is an error naming it."""
+    padded size). Required. A sample longer than the cap is an error naming it, but for "lb-mini-split", where it
+    runs split over the smallest group that brings each member under the cap (up to max_group × token_cap)."""
 
     cost_model: Union[Literal["tokens", "measure"], QuadraticCost] = "tokens"
     """What a sample costs: "tokens" (its token count), {"a": ..., "b": ...} (``a·s² + b·s``), or
@@ -102,7 +103,8 @@ class BalanceConfig(BaseModel):
 
     min_chunk_tokens: Annotated[int, Field(ge=1)] = 2048
     """With "lb-mini-split": the fewest tokens each member of a split micro-batch holds, so no sample shorter than
-    twice this is split on its own. Default 2048; at least 1. Only with "lb-mini-split"."""
+    twice this is split on its own (a sample longer than token_cap is split regardless). Default 2048; at least 1.
+    Only with "lb-mini-split"."""
 
     @field_validator("max_group", "min_chunk_tokens")
     @classmethod
