@@ -138,6 +138,20 @@ def _env(python: str) -> dict:
     return env
 
 
+def build_operators(python: str) -> None:
+    """Build DeepSpeed's CPU communication operator in the environment's extensions directory before any test runs.
+    Its ranks would otherwise build it on first use, inside a test's hang timeout on a loaded machine: a build killed
+    there leaves its lock behind, and every later rank of that environment waits on the lock until its test times
+    out. A lock found here, with no operator built, is such a leftover (this runner is the directory's only user)."""
+    build = os.path.join(_env(python)["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm")
+    lock = os.path.join(build, "lock")
+    if os.path.exists(lock) and not any(name.endswith(".so") for name in os.listdir(build)):
+        print(f"removing the lock a killed build left in {build}", flush=True)
+        os.remove(lock)
+    code = "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+    subprocess.run([python, "-c", code], env=_env(python), check=True, capture_output=True, timeout=1800)
+
+
 def installed(python: str) -> dict:
     """The releases the environment really has (the resolver may have moved a pin's neighbours)."""
     code = ("import importlib.metadata as m, json\n"
@@ -243,6 +257,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     stacks = [s for s in STACKS if not args.only or any(o in s.name for o in args.only)]
     pythons = {stack.name: ensure_env(stack, args.venv_root) for stack in stacks}
+    for python in dict.fromkeys(pythons.values()):
+        build_operators(python)
     if args.setup_only:
         return 0
     started = datetime.datetime.now(datetime.timezone.utc)
