@@ -20,11 +20,16 @@ its own. Each rank reports:
 * ``saved_mb``: the bytes autograd saves for backward during the forward (activations, counted once per storage,
   parameters excluded), what a GPU would hold between forward and backward.
 
+With ``--device cuda`` (the GPU kit's "split-memory" item; every rank on GPU 0, the ``cuda_ipc`` transport, the
+all-to-alls on gloo groups) each rank also reports ``cuda_fwd_bwd_peak_mb``: ``torch.cuda.max_memory_allocated``
+over forward and backward less what was allocated just before, the figure that decides whether a long sample fits.
+
 Large tensors are returned to the system when freed (``MALLOC_MMAP_THRESHOLD_`` is fixed for the ranks, so glibc
 maps every allocation over 64 KiB on its own), so the resident set follows what is live. Prints one JSON line
 per case with the median over ``--repeats`` runs of each figure, per rank.
 
     DS_ACCELERATOR=cpu .venv/bin/python benchmarks/split_memory.py --length 8192 --repeats 3
+    .venv/bin/python benchmarks/split_memory.py --device cuda --length 16384 --repeats 1 --json out.json
 """
 from __future__ import annotations
 
@@ -114,7 +119,12 @@ def _run(rank: int, cell: dict) -> dict:
 
     deepspeed.init_distributed(dist_backend="gloo")
     plan = cell["plan"]
+    cuda = cell.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)  # every rank on GPU 0 (the kit's machine has one): per-process peaks
     model = _model(plan.lengths[0])
+    if cuda:
+        model = model.cuda()
     balance = {"policy": "lb-mini-split", "token_cap": plan.token_cap, "max_group": max(2, plan.world_size),
                "min_chunk_tokens": 1}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -124,10 +134,16 @@ def _run(rank: int, cell: dict) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     ids = torch.randint(0, MODEL["vocab_size"], (1, plan.lengths[0]), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(ids.shape[1]).unsqueeze(0)}
+    if cuda:
+        batch = {key: value.cuda() for key, value in batch.items()}
     saved = SavedBytes()
     dist.barrier()
     before = _status_kb("VmRSS")
     _reset_peak()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     for entry in plan.for_rank(rank):
         part = split_batch(batch, entry, rank)
@@ -137,23 +153,30 @@ def _run(rank: int, cell: dict) -> dict:
             loss = F.cross_entropy(logits.reshape(-1, MODEL["vocab_size"]), labels.reshape(-1), reduction="sum")
             del logits
             engine.backward(loss, loss_tokens=int((labels != -100).sum()))
+    if cuda:
+        torch.cuda.synchronize()
+        cuda_peak = (torch.cuda.max_memory_allocated() - cuda_before) / 2 ** 20
     fwd_bwd = _status_kb("VmHWM")
     compute_s = time.perf_counter() - start
     engine.step()
     step = _status_kb("VmHWM")
     dist.barrier()
     engine.destroy()
-    return {"rss_before_mb": before / 1024, "fwd_bwd_peak_mb": (fwd_bwd - before) / 1024,
-            "step_peak_mb": (step - before) / 1024, "saved_mb": saved.megabytes, "compute_s": compute_s,
-            "tokens": sum(math.ceil(plan.lengths[i] / len(e.ranks)) for e in plan.for_rank(rank) for i in e.samples)}
+    result = {"rss_before_mb": before / 1024, "fwd_bwd_peak_mb": (fwd_bwd - before) / 1024,
+              "step_peak_mb": (step - before) / 1024, "saved_mb": saved.megabytes, "compute_s": compute_s,
+              "tokens": sum(math.ceil(plan.lengths[i] / len(e.ranks)) for e in plan.for_rank(rank) for i in e.samples)}
+    if cuda:
+        result["cuda_fwd_bwd_peak_mb"] = cuda_peak
+    return result
 
 
-def measure(case: str, length: int, repeats: int) -> dict:
+def measure(case: str, length: int, repeats: int, device: str = "cpu") -> dict:
     """Median of each per-rank figure over ``repeats`` runs of the case, each in fresh processes."""
     plan = case_plan(case, length)
-    runs = [cells.run_cell(_run, plan.world_size, {"plan": plan}, f"{case} run {k}", timeout_s=1800)
-            for k in range(repeats)]
+    runs = [cells.run_cell(_run, plan.world_size, {"plan": plan, "device": device}, f"{case} run {k}",
+                           timeout_s=1800) for k in range(repeats)]
     figures = ("fwd_bwd_peak_mb", "step_peak_mb", "saved_mb", "rss_before_mb", "compute_s", "tokens")
+    figures += ("cuda_fwd_bwd_peak_mb",) if device == "cuda" else ()
     per_rank = {name: [round(statistics.median(run[rank][name] for run in runs), 1)
                        for rank in range(plan.world_size)] for name in figures}
     return {"case": case, "length": length, "token_cap": plan.token_cap, "ranks": plan.world_size,
@@ -166,10 +189,17 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="fresh runs per case; figures are medians")
     parser.add_argument("--case", choices=tuple(CASES), action="append",
                         help="a case to run (repeatable; default: all three)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument("--json", help="also write every case's figures here (a list)")
     args = parser.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by glibc when each rank starts
+    results = []
     for case in args.case or CASES:
-        print(json.dumps(measure(case, args.length, args.repeats)), flush=True)
+        results.append(measure(case, args.length, args.repeats, args.device))
+        print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
 
 
 if __name__ == "__main__":

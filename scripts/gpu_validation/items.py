@@ -205,6 +205,13 @@ def second(ctx: Context) -> List[Item]:
                    "tensors", [ctx.python, "benchmarks/gpu_gather.py", "--world", "2", "--iters", "20", "--timeout",
                                "80", "--json", "{scratch}/gather.json"], HANG_S, verdicts.gather_verdict, ctx.env(),
                    ctx.suite, unavailable=ctx.gpu_only("batched gathers on a GPU", world=2), expect_s=30)
+    split_memory = Item("split-memory", "one long sample (16K tokens) whole on one rank against split over 2 and 4 "
+                        "ranks (policy lb-mini-split, token_cap forcing the split): each rank's peak GPU memory over "
+                        "forward and backward", [ctx.python, "benchmarks/split_memory.py", "--device", "cuda",
+                                                 "--length", "16384", "--repeats", "1", "--json",
+                                                 "{scratch}/split_memory.json"], HANG_S, verdicts.split_memory_verdict,
+                        ctx.env(), ctx.suite, unavailable=ctx.gpu_only("peak GPU memory of split samples", world=4),
+                        expect_s=90)
     return [
         ctx.pytest("nccl-one-rank", "one rank on an NCCL process group equals one rank on gloo",
                    ["tests/gpu/test_cuda_training_parity.py"], "nccl", 25),
@@ -225,6 +232,7 @@ def second(ctx: Context) -> List[Item]:
         ctx.pytest("fp16", "fp16 (DS_ODC_EXPERIMENTAL_FP16=1) against ZeRO-3's fp16 with an overflow step, one rank "
                    "on NCCL: the same steps skipped, the same loss scales, the same parameters",
                    ["tests/gpu/test_cuda_fp16.py"], None, 25),
+        split_memory,
         # -- Later items go here, before the two slow checks below.
         jit,
         memcheck,

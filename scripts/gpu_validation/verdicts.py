@@ -254,6 +254,27 @@ def activation_offload_verdict(run: Run) -> Verdict:
                    None if met else f"goal: peak <= 50% of off at <= 5% more time; measured {figures}")
 
 
+def split_memory_verdict(run: Run) -> Verdict:
+    """A sample split over p ranks must cut each member's peak GPU memory over forward and backward: pass when the
+    largest member's peak over 2 ranks is at most 60% of the whole sample's, and over 4 ranks at most 35% (the
+    saved activations fall as 1/p; gathered parameters and gradient slices do not: CPU ranks measured 0.54 and
+    0.29, docs/benchmarks.md)."""
+    if run.returncode != 0:
+        return Verdict(Status.FAIL, error=f"exit {run.returncode}:\n{tail(run.output, 3000)}")
+    cases = {row["case"]: row for row in read_json(run, "split_memory.json")}
+    if any("cuda_fwd_bwd_peak_mb" not in row for row in cases.values()):
+        return Verdict(Status.INCONCLUSIVE, error="no GPU peak recorded (not a CUDA run)")
+    whole = max(cases["whole"]["cuda_fwd_bwd_peak_mb"])
+    figures = {"whole_mb": whole, **{f"{case}_mb": max(cases[case]["cuda_fwd_bwd_peak_mb"]) for case in cases
+                                     if case != "whole"}}
+    ratios = {case: max(cases[case]["cuda_fwd_bwd_peak_mb"]) / whole
+              for case in ("split-2", "split-4") if case in cases}
+    figures.update({f"{case}_ratio": round(ratio, 3) for case, ratio in ratios.items()})
+    met = ratios.get("split-2", 0.0) <= 0.6 and ratios.get("split-4", 0.0) <= 0.35
+    return Verdict(Status.PASS if met else Status.FAIL, figures,
+                   None if met else f"goal: split-2 <= 0.60 and split-4 <= 0.35 of whole; measured {figures}")
+
+
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
 _REFUSED = ("Device not supported", "error 999", "Unable to find injection library", "Target application terminated "
             "before first instrumented API call", "No supported device")

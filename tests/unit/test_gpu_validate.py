@@ -250,6 +250,23 @@ def test_the_overlap_verdict_needs_a_sound_timeline_and_meets_the_target(tmp_pat
     assert verdicts.overlap_verdict(overlap_run(tmp_path, timing="host")).status == Status.INCONCLUSIVE
 
 
+def split_memory_run(tmp_path, whole=1000.0, split2=(540.0, 530.0), split4=(300.0, 290.0, 295.0, 299.0),
+                     cuda=True):
+    key = "cuda_fwd_bwd_peak_mb" if cuda else "fwd_bwd_peak_mb"
+    rows = [{"case": "whole", key: [whole, 0.0]}, {"case": "split-2", key: list(split2)},
+            {"case": "split-4", key: list(split4)}]
+    (tmp_path / "split_memory.json").write_text(json.dumps(rows))
+    return Run(0, 1.0, "", scratch=str(tmp_path))
+
+
+def test_the_split_memory_verdict_holds_the_largest_member_to_its_share_of_the_whole_sample(tmp_path):
+    passed = verdicts.split_memory_verdict(split_memory_run(tmp_path))
+    assert passed.status == Status.PASS and passed.figures["split-2_ratio"] == 0.54
+    heavy = verdicts.split_memory_verdict(split_memory_run(tmp_path, split4=(300.0, 400.0, 295.0, 299.0)))
+    assert heavy.status == Status.FAIL and "split-4 <= 0.35" in heavy.error  # one member at 40% of the whole
+    assert verdicts.split_memory_verdict(split_memory_run(tmp_path, cuda=False)).status == Status.INCONCLUSIVE
+
+
 def test_a_jit_item_that_compiled_nothing_fails():
     """The operator was already in the folder, and the item passed."""
     figures = {"problems": [], "ops": {"ds_odc_cuda_ipc": {"required": True, "cached_before": True, "build_s": 0.1,
