@@ -15,17 +15,24 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
-if TYPE_CHECKING:
-    from ds_odc.runtime.step import StepProtocol
 
-_live: weakref.WeakSet[StepProtocol] = weakref.WeakSet()
+class Watched(Protocol):
+    """What this module needs of a step protocol (:class:`ds_odc.runtime.step.StepProtocol`): to fail its group
+    with an error, or say its rank left. A protocol, so that the step imports this module and not the reverse."""
+
+    def fail(self, err: BaseException, where: str) -> None: ...
+
+    def leave(self, reason: str) -> None: ...
+
+
+_live: weakref.WeakSet[Watched] = weakref.WeakSet()
 _lock = threading.Lock()
 _previous_hook = None
 
 
-def watch(protocol) -> None:
+def watch(protocol: Watched) -> None:
     """Report uncaught exceptions to ``protocol``'s peers while it lives (until :func:`unwatch`)."""
     global _previous_hook
     with _lock:
@@ -35,7 +42,7 @@ def watch(protocol) -> None:
             sys.excepthook = _report_then_chain
 
 
-def unwatch(protocol) -> None:
+def unwatch(protocol: Watched) -> None:
     """``protocol`` closed; the last one to go puts the previous hook back."""
     global _previous_hook
     with _lock:
@@ -55,8 +62,6 @@ def _report_then_chain(exc_type, exc, traceback) -> None:
         except Exception:  # noqa: BLE001 - reporting must never hide the original error
             pass
     (_previous_hook or sys.__excepthook__)(exc_type, exc, traceback)
-
-
 
 
 def left(reason: str, in_flight: Optional[BaseException] = None) -> int:
