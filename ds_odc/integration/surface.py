@@ -342,8 +342,8 @@ def _bound(node) -> list[str]:
     """The names a statement of a module or class body binds."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return [node.name]
-    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-        targets = list(node.targets) if isinstance(node, ast.Assign) else [node.target]
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and getattr(node, "value", None) is not None:
+        targets = list(node.targets) if isinstance(node, ast.Assign) else [node.target]  # ``x: int`` binds nothing
         names = []
         while targets:  # ``a = ...``, ``a, (b, *c) = ...``; not ``a.x = ...`` nor ``a[0] = ...``
             target = targets.pop()
