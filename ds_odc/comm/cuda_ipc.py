@@ -68,6 +68,7 @@ def device_uuid(index: int) -> str:
 
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
+    supports_residency = True
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, device: torch.device | str | int,
                  shm_dir: str = "/dev/shm", group=None, push_threads: int = DEFAULT_THREADS,

@@ -42,6 +42,7 @@ from ds_odc.comm.wording import NUMBERS, Wording
 class ShmTransport(Transport):
     name = "shm"
     peers_map_by_name = True  # windows made again are files, unlinked once every peer mapped them
+    supports_residency = True
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, shm_dir: str = "/dev/shm",
                  stripe_numel: int = 1 << 20, group=None, first_rank: int = 0, wording: Wording = NUMBERS):

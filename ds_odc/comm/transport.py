@@ -121,6 +121,9 @@ class Transport(abc.ABC):
     #: Whether peers find windows made again by a name that must go once every rank mapped them (shm's files):
     #: the reload then takes a second round before :meth:`windows_mapped`.
     peers_map_by_name: bool = False
+    #: Whether this transport can move its windows off the device and back (the calls below); one that cannot
+    #: keeps False, and ``engine.offload_states()`` is refused by name before any round.
+    supports_residency: bool = False
 
     # -- windows away and back (engine.offload_states / reload_states) -----------------------------------
     # The runtime's rounds order these calls on every rank of the node (see ds_odc.runtime.residency):
@@ -128,7 +131,8 @@ class Transport(abc.ABC):
     #   back:  recreate_own_windows  [round: every new window exists and holds its content]  map_peer_windows
     #          [round, where peers_map_by_name: every rank mapped them]  windows_mapped
     # ``kinds`` names windows: "params" (the parameter window) and/or "grads" (the accumulator). A transport
-    # that cannot move its windows keeps these defaults, and the engine refuses offload_states by name.
+    # that cannot move its windows keeps these defaults and ``supports_residency`` False: the runtime then
+    # refuses offload_states by name before any round, so these are never reached.
     def drop_peer_windows(self, kinds: Collection[str]) -> None:
         """Forget this rank's mappings of every peer's windows of ``kinds``."""
         raise NotImplementedError(f"the {self.name} transport cannot move its windows off the device")

@@ -97,22 +97,22 @@ class ODCRuntime:
     def own_shard(self, key: int) -> torch.Tensor:
         """This rank's shard of parameter ``key`` in its window (what its optimizer updates)."""
         slot = self.layout.slots[key]
-        return self.protocol.stash.window("params").narrow(0, self.layout.param_offset(slot, self.node),
+        return self.protocol.residency.stash.window("params").narrow(0, self.layout.param_offset(slot, self.node),
                                                            slot.shard_numel)
 
     def own_gradient(self, key: int) -> torch.Tensor:
         """This rank's gradient shard of trainable parameter ``key`` in its accumulator."""
         slot = self.layout.slots[key]
-        return self.protocol.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.node),
+        return self.protocol.residency.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.node),
                                                           slot.shard_numel)
 
     def own_trainable_shards(self) -> torch.Tensor:
         """This rank's trainable shards, contiguous in its window (ZeRO-3's flat shard buffer lives here)."""
-        return self.protocol.stash.window("params").narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.residency.stash.window("params").narrow(0, *self.layout.trainable_block(self.node))
 
     def own_gradients(self) -> torch.Tensor:
         """This rank's gradient shards, contiguous in its accumulator (ZeRO-3's gradient partition)."""
-        return self.protocol.stash.window("grads").narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.residency.stash.window("grads").narrow(0, *self.layout.trainable_block(self.node))
 
     def _param_pieces(self, key: int):
         """``(rank on this node, window offset, start, count)`` of every owner's shard of ``key``: the
@@ -182,16 +182,16 @@ class ODCRuntime:
                         what: str = "engine.offload_states()") -> frozenset:
         """Move this rank's windows of ``kinds`` ("params", "grads") to host memory, with every rank
         (collective; :mod:`ds_odc.runtime.residency`). Returns the kinds moved now."""
-        return self.protocol.offload_windows(frozenset(kinds), pin_memory, non_blocking, what)
+        return self.protocol.residency.offload(frozenset(kinds), pin_memory, non_blocking, what)
 
     def reload_windows(self, non_blocking: bool = False, what: str = "engine.reload_states()") -> frozenset:
         """Bring every window that is away back, with every rank (collective). Returns the kinds brought back."""
-        return self.protocol.reload_windows(non_blocking, what)
+        return self.protocol.residency.reload(non_blocking, what)
 
     @property
     def windows_away(self) -> frozenset:
         """The kinds of this rank's windows now in host memory (``engine.offload_states``)."""
-        return self.protocol.stash.away
+        return self.protocol.residency.away
 
     def sync_gradients(self, what: str) -> None:
         """A gradient fence outside a step (collective): every rank's pushes so far have landed."""

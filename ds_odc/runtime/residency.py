@@ -3,8 +3,7 @@
 On ZeRO-3 those calls move a rank's own buffers between the device and host memory, and nothing else
 notices. On ODC two of the buffers are windows the peers reach: the parameter window (DeepSpeed's
 ``lp_params``) and the gradient accumulator (``lp_grads``). Moving one is therefore done by the whole
-node in rounds, which :class:`~ds_odc.runtime.step.StepProtocol` runs (``offload_windows``,
-``reload_windows``)::
+node in rounds, which :class:`Residency` runs on the step protocol's rounds (inside its ``meeting``)::
 
     away   round: every rank asks for the same windows; nobody pulls or pushes any more
            copy this rank's own windows into host memory; drop the mappings of peers' windows
@@ -25,15 +24,21 @@ naming the call that brings them back. Content is copied, never recomputed: trai
 
 What "away" frees: on a GPU the windows' device memory (after every peer closed its mapping), for a
 rollout engine to use; on CPU the shared-memory pages in ``shm_dir`` (the host copy is ordinary
-process memory). Both are the same path: only the transport's primitives differ.
+process memory). Both are the same path: only the transport's primitives differ. A transport that cannot
+move its windows (``Transport.supports_residency`` false) is refused by name before any round.
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Iterable, Optional
+from typing import Callable, ContextManager, Dict, FrozenSet, Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.transport import Transport
+from ds_odc.errors import ODCConfigError, ODCStateError
+from ds_odc.runtime.round_kinds import RoundKind
+
+_EMPTY = torch.zeros(0, dtype=torch.float64)
 
 #: The windows a rank can move: its parameter window and its gradient accumulator.
 WINDOW_KINDS = ("params", "grads")
@@ -107,3 +112,110 @@ class WindowStash:
     def release(self, kinds: Iterable[str]) -> None:
         for kind in kinds:
             self.host.pop(kind, None)
+
+
+class Rounds(Protocol):
+    """What :class:`Residency` borrows of the step protocol (:class:`~ds_odc.runtime.step.StepProtocol`): its
+    transport and cross-node link, a meeting outside a step, and its rounds."""
+
+    transport: Transport
+    link: CrossNodeLink
+
+    def meeting(self, what: str) -> ContextManager[None]: ...
+
+    def round(self, kind: RoundKind, values: torch.Tensor, what: str = "") -> torch.Tensor: ...
+
+
+class Residency:
+    """Where this rank's windows are, and the collective calls that move them (see the module docstring).
+    The step protocol owns the rounds; this object owns the stash and the order of its calls around them."""
+
+    def __init__(self, rounds: Rounds):
+        self.rounds = rounds
+        self.stash = WindowStash(rounds.transport)
+
+    @property
+    def away(self) -> FrozenSet[str]:
+        return self.stash.away
+
+    def require(self, kinds: set, what: str) -> None:
+        """Raise :class:`ODCStateError` when ``what`` needs a window that is away (the caller fails the group)."""
+        away = self.stash.away & kinds
+        if away:
+            raise ODCStateError(f"{what} needs this rank's {describe(away)}, which engine.offload_states() moved to "
+                                "host memory: call engine.reload_states() on every rank first")
+
+    def _supported(self, what: str) -> None:
+        transport = self.rounds.transport
+        if not transport.supports_residency:
+            raise ODCConfigError(f"{what}: the {transport.name} transport cannot move its windows off the device "
+                                 "(nothing was moved, no rank met): leave the states where they are")
+
+    def offload(self, kinds: frozenset, pin_memory: bool, non_blocking: bool, what: str) -> frozenset:
+        """Move this rank's windows of ``kinds`` to host memory, with every rank of the job (collective).
+        Windows already away are left as they are; returns the kinds moved now. Ranks that ask for different
+        windows fail the group, naming them."""
+        self._supported(what)
+        rounds, transport = self.rounds, self.rounds.transport
+        with rounds.meeting(what):
+            kinds = frozenset(kinds) - self.stash.away
+            self._agree(RoundKind.WINDOWS_AWAY, ("asked to move", "had away"), [kinds, self.stash.away], what)
+            self.stash.take(kinds, pin_memory, non_blocking)
+            transport.drop_peer_windows(kinds)
+            rounds.round(RoundKind.WINDOWS_AWAY, _EMPTY, what)  # nobody maps a window about to be freed
+            transport.drop_own_windows(kinds)
+        return kinds
+
+    def reload(self, non_blocking: bool, what: str) -> frozenset:
+        """Bring every window that is away back, with every rank of the job (collective): new windows,
+        their content copied in from the host, every peer's mapped. Returns the kinds brought back.
+
+        A rank that cannot allocate (a device or ``shm_dir`` still full) makes every rank raise, naming
+        it, with the windows still away and the group intact: free the memory and call it again."""
+        self._supported(what)
+        rounds, transport = self.rounds, self.rounds.transport
+        kinds, refused, made = self.stash.away, None, None
+        with rounds.meeting(what):
+            if kinds:  # made and filled before the one round, so that peers may map them right after it
+                try:
+                    transport.recreate_own_windows(kinds)
+                    self.stash.put_back(kinds, non_blocking)
+                except Exception as err:  # noqa: BLE001 - every rank learns of it in the round
+                    made = err
+            rows = self._agree(RoundKind.WINDOWS_BACK, ("had away",), [kinds], what,
+                               extra=[float(made is not None)], on_disagreement=lambda: self._discard_new(kinds))
+            failed = [r for r in range(rows.shape[0]) if rows[r][1] != 0]  # job ranks
+            if failed:
+                self._discard_new(kinds)
+                refused = made or ODCStateError(
+                    f"rank(s) {failed} could not allocate their {describe(kinds)} again ({what}): every rank keeps "
+                    "them in host memory; free the memory they need (each failing rank's error says how much and "
+                    "where) and call engine.reload_states() again on every rank")
+            elif kinds:
+                transport.map_peer_windows(kinds)
+                if transport.peers_map_by_name:  # their names go only once every rank mapped them
+                    rounds.round(RoundKind.WINDOWS_BACK, _EMPTY, what)
+                transport.windows_mapped(kinds)
+                self.stash.release(kinds)
+        if refused is not None:
+            raise refused
+        return kinds
+
+    def _discard_new(self, kinds: frozenset) -> None:
+        """A reload that did not happen: this rank's new windows (if it made them) go, the host copies stay."""
+        if kinds:
+            self.rounds.transport.drop_own_windows(kinds)
+
+    def _agree(self, kind: RoundKind, columns: tuple, values: list, what: str, extra: Sequence[float] = (),
+               on_disagreement: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """A round whose values (masks of window kinds) every rank of the job must give alike, carrying
+        ``extra`` values besides (not compared); returns the job's rows."""
+        payload = torch.tensor([mask(v) for v in values] + list(extra), dtype=torch.float64)
+        rows = self.rounds.link.job_rows(self.rounds.round(kind, payload, what))
+        differing = disagreement(rows[:, :len(values)], columns)
+        if differing is not None:
+            if on_disagreement is not None:
+                on_disagreement()
+            raise ODCStateError(f"{what} was called differently on the ranks ({differing}): call it on every rank "
+                                "with the same arguments")
+        return rows

@@ -43,10 +43,10 @@ Rounds outside a step, each one collective (every rank calls it at the same poin
   overwrites its partitions): a fence, every owner zeroes its accumulator and the counts, and a
   second round so that no rank pushes before every owner has zeroed;
 * windows rewritten (checkpoint load, ``GatheredParameters``) and barriers (checkpoint save);
-* **windows away / back** (:meth:`StepProtocol.offload_windows`, :meth:`StepProtocol.reload_windows`):
-  ``engine.offload_states()`` / ``reload_states()`` move the parameter window and the accumulator to host
-  memory and back (:mod:`ds_odc.runtime.residency`). While one is away the phase is unchanged, and what
-  needs it (a pull, a push, the step, a round that reads it) refuses and fails the group, naming the call.
+* **windows away / back**: ``engine.offload_states()`` / ``reload_states()`` move the parameter window and the
+  accumulator to host memory and back (:class:`~ds_odc.runtime.residency.Residency`, whose rounds run inside
+  :meth:`StepProtocol.meeting`). While one is away the phase is unchanged, and what needs it (a pull, a push,
+  the step, a round that reads it) refuses and fails the group, naming the call.
 
 All or nothing: any exception or signal on this rank inside the step, a push, or a round outside
 a step records a failure in the group's control plane (:meth:`Transport.mark_failed`) and moves to
@@ -61,7 +61,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -72,10 +72,9 @@ from ds_odc.errors import ODCError, ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash, exact_sum
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
-from ds_odc.runtime.residency import WindowStash, describe, disagreement, mask
+from ds_odc.runtime.residency import Residency
 from ds_odc.runtime.round_kinds import Activity, RoundKind
 
-_EMPTY = torch.zeros(0, dtype=torch.float64)
 #: The rounds outside a step that read or write a window, and which one.
 _ROUND_NEEDS = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
                 RoundKind.GRADIENT_NORM: {"grads"}}
@@ -131,7 +130,7 @@ class StepProtocol:
         self.last_totals: Optional[StepTotals] = None
         self.failure: Optional[FailureRecord] = None
         self._activity: Optional[Activity] = None
-        self.stash = WindowStash(transport)  # where this rank's windows are (away after offload_windows)
+        self.residency = Residency(self)  # where this rank's windows are (engine.offload_states moves them)
         self.left: Optional[str] = None  # why this rank left training (leave), if it did
         self.exact = exact  # deterministic accumulation ([Note: exact sums]): two regions, folded at a fence
         self.folded: Optional[str] = None  # exact sums: the read that folded them before this step's end
@@ -271,89 +270,26 @@ class StepProtocol:
             self.round(RoundKind.DISCARD, empty, what)
         self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)
 
-    def offload_windows(self, kinds: frozenset, pin_memory: bool, non_blocking: bool, what: str) -> frozenset:
-        """Move this rank's windows of ``kinds`` to host memory, with every rank of the job (collective;
-        the rounds are in :mod:`ds_odc.runtime.residency`). Windows already away are left as they are;
-        returns the kinds moved now. Ranks that ask for different windows fail the group, naming them."""
+    @contextlib.contextmanager
+    def meeting(self, what: str):
+        """Around a collective call outside a step that runs its own rounds (:class:`~ds_odc.runtime.residency.
+        Residency`'s): the engine must be usable and open, the phase is unchanged, a failure inside poisons the
+        group, and this rank's activity is what it was before."""
         self._usable()
         self._open()
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what):
-            kinds = frozenset(kinds) - self.stash.away
-            self._agree(RoundKind.WINDOWS_AWAY, ("asked to move", "had away"), [kinds, self.stash.away], what)
-            self.stash.take(kinds, pin_memory, non_blocking)
-            self.transport.drop_peer_windows(kinds)
-            self.round(RoundKind.WINDOWS_AWAY, _EMPTY, what)  # nobody maps a window about to be freed
-            self.transport.drop_own_windows(kinds)
+            yield
         self._note(previous, force=True)
-        return kinds
-
-    def reload_windows(self, non_blocking: bool, what: str) -> frozenset:
-        """Bring every window that is away back, with every rank of the job (collective): new windows,
-        their content copied in from the host, every peer's mapped. Returns the kinds brought back.
-
-        A rank that cannot allocate (a device or ``shm_dir`` still full) makes every rank raise, naming
-        it, with the windows still away and the group intact: free the memory and call it again."""
-        self._usable()
-        self._open()
-        self.machine.advance(Event.MEET)
-        previous = self._activity or Activity.IDLE
-        kinds, refused, made = self.stash.away, None, None
-        with self.failing_group(what):
-            if kinds:  # made and filled before the one round, so that peers may map them right after it
-                try:
-                    self.transport.recreate_own_windows(kinds)
-                    self.stash.put_back(kinds, non_blocking)
-                except Exception as err:  # noqa: BLE001 - every rank learns of it in the round
-                    made = err
-            rows = self._agree(RoundKind.WINDOWS_BACK, ("had away",), [kinds], what,
-                               extra=[float(made is not None)], on_disagreement=lambda: self._discard_new(kinds))
-            failed = [r for r in range(rows.shape[0]) if rows[r][1] != 0]  # job ranks
-            if failed:
-                self._discard_new(kinds)
-                refused = made or ODCStateError(
-                    f"rank(s) {failed} could not allocate their {describe(kinds)} again ({what}): every rank keeps "
-                    "them in host memory; free the memory they need (each failing rank's error says how much and "
-                    "where) and call engine.reload_states() again on every rank")
-            elif kinds:
-                self.transport.map_peer_windows(kinds)
-                if self.transport.peers_map_by_name:  # their names go only once every rank mapped them
-                    self.round(RoundKind.WINDOWS_BACK, _EMPTY, what)
-                self.transport.windows_mapped(kinds)
-                self.stash.release(kinds)
-        self._note(previous, force=True)
-        if refused is not None:
-            raise refused
-        return kinds
-
-    def _discard_new(self, kinds: frozenset) -> None:
-        """A reload that did not happen: this rank's new windows (if it made them) go, the host copies stay."""
-        if kinds:
-            self.transport.drop_own_windows(kinds)
-
-    def _agree(self, kind: RoundKind, columns: tuple, values: list, what: str, extra: Sequence[float] = (),
-               on_disagreement: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """A round whose values (masks of window kinds) every rank of the job must give alike, carrying
-        ``extra`` values besides (not compared); returns the job's rows."""
-        payload = torch.tensor([mask(v) for v in values] + list(extra), dtype=torch.float64)
-        rows = self.link.job_rows(self.round(kind, payload, what))
-        differing = disagreement(rows[:, :len(values)], columns)
-        if differing is not None:
-            if on_disagreement is not None:
-                on_disagreement()
-            raise ODCStateError(f"{what} was called differently on the ranks ({differing}): call it on every rank "
-                                "with the same arguments")
-        return rows
 
     def _require(self, kinds: set, what: str) -> None:
         """Refuse (failing the group: the ranks have diverged) what needs a window that is away."""
-        away = self.stash.away & kinds
-        if away:
-            err = ODCStateError(f"{what} needs this rank's {describe(away)}, which engine.offload_states() moved to "
-                                "host memory: call engine.reload_states() on every rank first")
+        try:
+            self.residency.require(kinds, what)
+        except ODCStateError as err:
             self.fail(err, what)
-            raise err
+            raise
 
     def open(self) -> None:
         """Run the open round now (collective; a no-op once it ran): an engine that has no later point where

@@ -64,6 +64,7 @@ class LoopbackGroup:
 
 class LoopbackTransport(Transport):
     name = "loopback"
+    supports_residency = True
 
     def __init__(self, group: LoopbackGroup, rank: int):
         super().__init__(rank, group.world, group.timeout_s, wording=PROTOCOL_WORDING)

@@ -106,3 +106,30 @@ def test_a_rank_that_cannot_make_its_windows_again_is_named_and_a_retry_brings_t
         assert "rank(s) [2]" in str(first) or rank == 2
         assert away == ["grads", "params"] and phase == "idle"
         assert pulled == [1.0] * 8 + [2.0] * 8 + [3.0] * 8
+
+
+def test_a_transport_that_cannot_move_its_windows_refuses_by_name_before_any_round():
+    """A transport without window moves (``supports_residency`` false) used to enter the first round, copy the
+    windows out, then fail the group at its first transport call."""
+    import pytest
+
+    from ds_odc.errors import ODCConfigError
+
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        runtime = runtime_for(transport, numel=8)
+        runtime.open()
+        transport.supports_residency = False
+        rounds = transport.exchanges
+        with pytest.raises(ODCConfigError, match="the loopback transport cannot move its windows off the device"):
+            runtime.offload_windows({"params"})
+        with pytest.raises(ODCConfigError, match="nothing was moved, no rank met"):
+            runtime.reload_windows()
+        assert transport.exchanges == rounds and runtime.windows_away == frozenset()
+        runtime.push(0, torch.ones(16))  # the group is intact: training goes on
+        runtime.record_micro_batch(LossNormalization.CALLER)
+        runtime.step(Update(transport))
+        return True
+
+    assert all(ok for ok, _ in group.run(rank_fn))
