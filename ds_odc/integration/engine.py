@@ -12,8 +12,9 @@ is the bookkeeping that lets ranks run *different* numbers of micro-batches per 
   by ``global micro-batches / gradient_accumulation_steps``).
 
 One class; each override of a private ``DeepSpeedEngine`` method is a few lines that hand the work to
-``ds_odc.integration`` (the optimizer, checkpoints, metrics), and every private name it relies on is
-listed in :mod:`ds_odc.integration.surface`:
+``ds_odc.integration`` (the optimizer, checkpoints, metrics, the backward's rule in :mod:`.backward_rules`, the
+forward's lockstep in :mod:`.engine_locksteps`), and every private name it relies on is listed in
+:mod:`ds_odc.integration.surface`:
 
 * ``_configure_zero_optimizer`` builds :class:`~ds_odc.integration.zero3_optimizer.ODCStage3Optimizer`
   where ZeRO-3 builds its optimizer (DeepSpeed imports the class at call time from its module, so
@@ -39,41 +40,31 @@ import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401  (import
 import deepspeed.runtime.zero.stage3 as ds_stage3
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.utils import logger
 
 from ds_odc.balance.split_limits import SplitLimits
-from ds_odc.balance.split_plan import SPLIT_POLICY
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, ODCConfig, env_switch, parse_options
 from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import (
+    backward_rules,
     checkpoints,
     clean_exit,
+    engine_locksteps,
     hf_generation,
     sequence_parallel,
     split_attention,
     zero3_frozen,
 )
 from ds_odc.integration.activation_offload import EngineOffload
+from ds_odc.integration.backward_rules import BackwardRule
 from ds_odc.integration.patching import swapped
 from ds_odc.integration.surface import has
 from ds_odc.integration.surface_table import MANAGED_ACCUMULATION
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
-from ds_odc.runtime import LossNormalization, ODCRuntime, Phase, StepTotals
+from ds_odc.runtime import ODCRuntime, Phase, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
-
-
-@dataclass(frozen=True)
-class _BackwardRule:
-    rule: LossNormalization
-    tokens: int = 0
-
-    @property
-    def skips_gas_division(self) -> bool:
-        """Per-token micro-batches are not divided by ``gradient_accumulation_steps``; the others keep
-        DeepSpeed's division (MEAN corrects it at the step, CALLER is the caller's choice)."""
-        return self.rule is LossNormalization.TOKEN
 
 
 @dataclass
@@ -106,9 +97,8 @@ class ODCEngine(DeepSpeedEngine):
                 self.optimizer.destroy()
             if self._odc is not None and self._odc.frozen is not None:
                 self._odc.frozen.release()
-            if self._odc is not None and self._odc.split is not None:
-                sequence_parallel.unregister(self._odc.split.lockstep)
-                self._odc.split.close()
+            if self._odc is not None:
+                engine_locksteps.detach(self._odc.lockstep, self._odc.split)
             raise
         if self._odc is not None and self._odc.options.metrics and self.odc_trains:
             from ds_odc.integration.metrics_hooks import attach_recorder
@@ -143,11 +133,8 @@ class ODCEngine(DeepSpeedEngine):
         finally:
             hf_generation.unbind(getattr(self, "module", None))
             if self._odc is not None:
-                sequence_parallel.unregister(self._odc.lockstep)
-                split, self._odc.split = self._odc.split, None
-                if split is not None:
-                    sequence_parallel.unregister(split.lockstep)
-                    split.close()
+                engine_locksteps.detach(self._odc.lockstep, self._odc.split)
+                self._odc.lockstep = self._odc.split = None
                 frozen, self._odc.frozen = self._odc.frozen, None
                 if frozen is not None:
                     frozen.release()
@@ -238,11 +225,8 @@ class ODCEngine(DeepSpeedEngine):
         return result
 
     def _odc_shares_the_micro_batch(self) -> bool:
-        """Whether this rank runs the current micro-batch as a member of a split one other than the first: the
-        first member's record counts its samples, so ``global_samples`` counts them once."""
         split = self._odc_state.split
-        entry = split.lockstep.entry if split is not None else None
-        return entry is not None and split is not None and split.rank != min(entry.members)
+        return split is not None and split.shares_micro_batch()
 
     def forward(self, *inputs, **kwargs):
         """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep (:mod:`ds_odc.runtime.lockstep`:
@@ -265,11 +249,7 @@ class ODCEngine(DeepSpeedEngine):
         newest training engine's."""
         if self._odc is None:
             return None
-        if self._odc.frozen is not None:
-            return sequence_parallel.process_lockstep()
-        if self._odc.split is not None:
-            return self._odc.split.lockstep
-        return self._odc.lockstep
+        return engine_locksteps.lockstep_of(self._odc.frozen is not None, self._odc.lockstep, self._odc.split)
 
     def _odc_collectives(self, where: str):
         lockstep = self._odc_lockstep()
@@ -283,21 +263,7 @@ class ODCEngine(DeepSpeedEngine):
         if frozen is None:
             return super().offload_states(include=include, device=device, pin_memory=pin_memory,
                                           non_blocking=non_blocking)
-        others = [] if include is None else [s for s in include if s != OffloadStateTypeEnum.lp_params]
-        if others:
-            raise ODCConfigError(f"offload_states(include={[s.value for s in include]}): an engine without an "
-                                 "optimizer has only its parameters (lp_params) to move")
-        if self.zero_offload_param() is not None and self.zero_offload_param().device != OffloadDeviceEnum.none:
-            raise ODCConfigError("offload_states: the parameters of this engine are offloaded already "
-                                 "(zero_optimization.offload_param)")
-        if device == OffloadDeviceEnum.none:
-            logger.warning("No device specified for offloading states.")  # DeepSpeed's answer
-            return None
-        if device != OffloadDeviceEnum.cpu:
-            raise ODCConfigError(f"offload_states(device={device}): only OffloadDeviceEnum.cpu is supported")
-        if include is None or OffloadStateTypeEnum.lp_params in include:
-            self.empty_partition_cache()
-            frozen.offload(pin_memory, non_blocking)
+        return frozen.offload_states(self, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False):
         """DeepSpeed's; a frozen engine brings its parameter window back (collective)."""
@@ -343,22 +309,15 @@ class ODCEngine(DeepSpeedEngine):
         return runtime
 
     # -- normalisation bookkeeping -----------------------------------------------------------------
-    def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> _BackwardRule:
+    def _odc_rule_for_backward(self, scale_wrt_gas: bool, peek: bool = False) -> BackwardRule:
+        """The rule of the backward about to run (:func:`~ds_odc.integration.backward_rules.decide`); consumes
+        a token count from :meth:`set_loss_tokens` unless ``peek``."""
         state = self._odc_state
         tokens = state.pending_tokens
         if not peek:
             state.pending_tokens = None
-        if tokens is not None:
-            return _BackwardRule(LossNormalization.TOKEN, tokens)
-        if state.options.loss_normalization == "token":
-            raise ODCConfigError("zero_optimization.odc.loss_normalization='token': this backward has no token "
-                                 "count; call engine.backward(loss, loss_tokens=n) or engine.set_loss_tokens(n)")
-        # With gradient_accumulation_steps 1 every backward is its own boundary: several before one step is
-        # the caller accumulating (OpenRLHF's actor update), which ZeRO-3 sums; the mean would divide by the
-        # count (README, "LossNormalization"). The two rules agree for one backward per rank.
-        if self.managed_gradient_accumulation() and scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            return _BackwardRule(LossNormalization.MEAN)
-        return _BackwardRule(LossNormalization.CALLER)
+        return backward_rules.decide(tokens, state.options.loss_normalization, self.managed_gradient_accumulation(),
+                                     scale_wrt_gas, self.gradient_accumulation_steps())
 
     # -- unmanaged accumulation where DeepSpeed lacks it (surface_table.MANAGED_ACCUMULATION) ----------
     def managed_gradient_accumulation(self):
@@ -393,16 +352,8 @@ class ODCEngine(DeepSpeedEngine):
             self._odc.frozen = zero3_frozen.attach(built, self._odc.options, timeout_s)
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         else:
-            self._odc.lockstep = sequence_parallel.lockstep_for(self, built.odc, timeout_s)
-            if self._odc.lockstep is not None:
-                sequence_parallel.register(self._odc.lockstep)
-            balance = self._odc.options.balance
-            if balance is not None and balance.policy == SPLIT_POLICY:
-                if self._odc.lockstep is not None:
-                    raise ODCConfigError("balance policy 'lb-mini-split' chooses its sequence-parallel groups per "
-                                         "micro-batch: leave the fixed SP mpu (ALST's, accelerate's sp_size) out")
-                self._odc.split = split_attention.enable(self, built.odc, balance, timeout_s)
-                sequence_parallel.register(self._odc.split.lockstep)
+            self._odc.lockstep, self._odc.split = engine_locksteps.attach(self, built.odc, self._odc.options.balance,
+                                                                          timeout_s)
         return built
 
     def _backward_prologue_per_tensor(self, grad):

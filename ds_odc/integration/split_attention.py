@@ -199,6 +199,12 @@ class SplitRuntime:
             finally:
                 self.active, self.scaled_token_sum = None, False
 
+    def shares_micro_batch(self) -> bool:
+        """Whether this rank runs the current micro-batch as a member of a split one other than the first: the
+        first member's record counts its samples, so ``global_samples`` counts them once."""
+        entry = self.lockstep.entry
+        return entry is not None and self.rank != min(entry.members)
+
     def note_forward(self, training: bool) -> None:
         """A training forward inside a split micro-batch must have its backward there too (checkpointed
         layers recompute their attention in backward, which must go over the same group)."""

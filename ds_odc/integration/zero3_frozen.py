@@ -36,6 +36,29 @@ class FrozenSession:
     runtime: ODCRuntime
     zero3: DeepSpeedZeRoOffload  # whose gathers this session serves
 
+    def offload_states(self, engine, include, device, pin_memory: bool, non_blocking: bool) -> None:
+        """``engine.offload_states(...)`` of a frozen engine, whose states ZeRO-3 refuses to move: it moves the one
+        it has, its parameter window (``lp_params``), and refuses by name what it cannot."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+        from deepspeed.utils import logger
+
+        others = [] if include is None else [s for s in include if s != OffloadStateTypeEnum.lp_params]
+        if others:
+            raise ODCConfigError(f"offload_states(include={[s.value for s in include]}): an engine without an "
+                                 "optimizer has only its parameters (lp_params) to move")
+        offload_param = engine.zero_offload_param()
+        if offload_param is not None and offload_param.device != OffloadDeviceEnum.none:
+            raise ODCConfigError("offload_states: the parameters of this engine are offloaded already "
+                                 "(zero_optimization.offload_param)")
+        if device == OffloadDeviceEnum.none:
+            logger.warning("No device specified for offloading states.")  # DeepSpeed's answer
+            return
+        if device != OffloadDeviceEnum.cpu:
+            raise ODCConfigError(f"offload_states(device={device}): only OffloadDeviceEnum.cpu is supported")
+        if include is None or OffloadStateTypeEnum.lp_params in include:
+            engine.empty_partition_cache()
+            self.offload(pin_memory, non_blocking)
+
     def offload(self, pin_memory: bool, non_blocking: bool) -> None:
         """``engine.offload_states()``: the parameter window to host memory, with every rank (collective);
         the shards point at the host copy until :meth:`reload`."""
