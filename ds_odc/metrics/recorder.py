@@ -16,6 +16,11 @@ compute    forward + backward of a micro-batch, less the gather/reduce inside it
 Spans nest (a gather inside a micro-batch); only the innermost kind is charged, so the parts of a
 step add up to its wall time (whatever is left is ``other``: data loading, user code).
 
+Besides the parts, a step carries named amounts (:meth:`StepRecorder.count`: tokens, bytes pulled and pushed,
+...), the seconds of *measured* spans that are not parts of the step (:meth:`StepRecorder.measure`: the
+cross-node exchange, split micro-batches), every rank's micro-batch count where the engine's step learns it,
+and the balance planner's prediction (:meth:`StepRecorder.note_plan`).
+
 Time is read by a timer (:mod:`ds_odc.metrics.timing`): the host clock on CPU, CUDA events on a CUDA
 device (see [Note: GPU spans] there), chosen from the device the recorder is given, or from DeepSpeed's
 accelerator when none is. Marks are kept as they are taken and turned into times when the step ends,
@@ -29,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
-from ds_odc.metrics.step_report import StepReport
+from ds_odc.metrics.step_report import PlannedStep, StepReport
 
 COMM_KINDS = ("gather", "reduce", "step_wait")
 
@@ -55,6 +60,10 @@ class _Step:
     micro_batches: List[_Span] = field(default_factory=list)
     spans: List[_Span] = field(default_factory=list)      # charged: gather, reduce, step_wait
     device: List[_Span] = field(default_factory=list)     # drawn only: pull, push
+    measured: List[_Span] = field(default_factory=list)   # summed into counters only: cross_node, split
+    counters: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    all_micro_batches: tuple = ()
+    plan: Optional[PlannedStep] = None
     first: object = None                                  # the step's first mark
 
 
@@ -148,6 +157,44 @@ class StepRecorder:
             self._step.device.append(record)
 
     @contextlib.contextmanager
+    def measure(self, kind: str):
+        """Time the block as ``kind``: summed into the step's counter ``<kind>_s``, neither charged to the step's
+        parts nor drawn (the cross-node exchange inside the step, a split micro-batch)."""
+        if not self.enabled:
+            yield
+            return
+        record = _Span(kind, self._mark())
+        try:
+            yield
+        finally:
+            record.end = self._mark()
+            self._step.measured.append(record)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (the figures' own exchange after a step: charged to no step)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
+    def count(self, name: str, amount: float) -> None:
+        """Add ``amount`` to the step's counter ``name`` (tokens, bytes, ...)."""
+        if self.enabled:
+            self._step.counters[name] += amount
+
+    def note_micro_batches(self, per_rank) -> None:
+        """Every rank's micro-batch count in this step, as the engine's step learned them (ODC's fence)."""
+        if self.enabled:
+            self._step.all_micro_batches = tuple(int(c) for c in per_rank)
+
+    def note_plan(self, plan: PlannedStep) -> None:
+        """The balance planner's prediction for the step under way (the last one noted before it ends counts)."""
+        if self.enabled:
+            self._step.plan = plan
+
+    @contextlib.contextmanager
     def optimizer_step(self):
         """The boundary ``engine.step()``: its time less the spans inside it is optimizer time."""
         if not self.enabled:
@@ -165,7 +212,8 @@ class StepRecorder:
 
     def _finish_step(self, optimizer: _Span) -> None:
         step = self._step
-        spans = [s for s in step.micro_batches + step.spans + step.device + [optimizer] if s.end is not None]
+        spans = [s for s in step.micro_batches + step.spans + step.device + step.measured + [optimizer]
+                 if s.end is not None]
         marks = [step.first] + [m for s in spans for m in (s.start, s.end)]
         times = iter(self._get_timer().resolve(marks))
         start = next(times)
@@ -181,12 +229,17 @@ class StepRecorder:
         micro_index = {id(m): i for i, m in enumerate(step.micro_batches)}
         compute = tuple(end - begin - inside[micro_index[id(s)]] for s, begin, end in resolved
                         if s.kind == "micro_batch")
+        counters, measured = step.counters, {id(s) for s in step.measured}
+        for span, begin, end in resolved:
+            if id(span) in measured:
+                counters[f"{span.kind}_s"] += end - begin
         _, opt_begin, opt_end = resolved[-1]
         report = StepReport(rank=self.rank, step=self._steps, start=start, wall_s=opt_end - start, compute_s=compute,
                             gather_s=totals["gather"], reduce_s=totals["reduce"], step_wait_s=totals["step_wait"],
                             optimizer_s=max(0.0, opt_end - opt_begin - inside[-1]),
-                            events=tuple((s.kind, begin, end) for s, begin, end in resolved),
-                            timing=self._get_timer().name)
+                            events=tuple((s.kind, begin, end) for s, begin, end in resolved if id(s) not in measured),
+                            timing=self._get_timer().name, counters=tuple(sorted(counters.items())),
+                            all_micro_batches=step.all_micro_batches, plan=step.plan)
         self.reports.append(report)
         self._steps += 1
         self._reset()

@@ -14,7 +14,31 @@ engine they are also where a rank waits for slower ones).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStep:
+    """What a balance planner predicted for one step (``ds_odc.metrics.note_plan``): each rank's cost and the
+    step's, in the cost model's unit (seconds under ``"cost_model": "measure"``, tokens under ``"tokens"``).
+
+    >>> PlannedStep((3.0, 1.0), 3.0).balance
+    0.6666666666666666
+    """
+
+    rank_costs: tuple[float, ...]
+    step_cost: float
+
+    @property
+    def balance(self) -> float:
+        """Mean rank cost over the busiest rank's: the compute balance the plan predicts (1 = perfectly even)."""
+        return balance(self.rank_costs)
+
+
+def balance(loads: Sequence[float]) -> float:
+    """Mean over the largest of ``loads`` (1.0 when all are 0)."""
+    busiest = max(loads, default=0.0)
+    return sum(loads) / (len(loads) * busiest) if busiest > 0 else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +59,20 @@ class StepReport:
     pull, push: work on a side stream (``StepRecorder.device_span``), drawn but not part of any total"""
     timing: str = "host"
     """how the times were read: "host" (clock readings) or "cuda-events" (``ds_odc.metrics.timing``)"""
+    counters: tuple[tuple[str, float], ...] = ()
+    """named amounts of the step, by name (``StepRecorder.count`` and ``measure``; docs/metrics.md lists them):
+    ``tokens``, ``pull_bytes``, ``push_bytes``, ``offload_bytes``, ``split_micro_batches``, and the seconds of
+    measured spans, ``<kind>_s`` (``cross_node_s``, ``split_s``)"""
+    all_micro_batches: tuple[int, ...] = ()
+    """every rank's micro-batch count in this step, where the engine's step learned them (ODC's fence); else empty"""
+    plan: Optional[PlannedStep] = None
+    """the balance planner's prediction for this step, when one was noted"""
+
+    def counter(self, name: str, default: float = 0.0) -> float:
+        return next((value for key, value in self.counters if key == name), default)
+
+    def has_counter(self, name: str) -> bool:
+        return any(key == name for key, _ in self.counters)
 
     @property
     def micro_batches(self) -> int:
