@@ -134,6 +134,22 @@ class ActivationOffloadConfig(BaseModel):
     reentrant CheckpointFunction, torch's or DeepSpeed's, as ALST does). Default "all"."""
 
 
+class TimelineConfig(BaseModel):
+    """Every rank's busy/idle spans of chosen steps, written as a Chrome / Perfetto trace (docs/metrics.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    path: Annotated[str, Field(min_length=1)]
+    """The trace file rank 0 writes (JSON, the format PyTorch's profiler writes: open it in Perfetto or
+    chrome://tracing; ``python -m ds_odc timeline PATH -o timeline.png`` draws it). Its directory is created.
+    Rewritten after each chosen step, so it always holds the chosen steps run so far. Required."""
+
+    steps: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=64)]
+    """The optimizer steps to record, as ``engine.global_steps`` counts them after each step (the first step is
+    1; the Trainer's ``global_step`` and the monitor's x-axis count the same). Each chosen step costs one gather of
+    every rank's spans to rank 0 after it (``torch.distributed``, not an ODC round). Required; 1 to 64 steps."""
+
+
 class ODCConfig(BaseModel):
     """Options of the "odc" stage: written under ``zero_optimization.odc`` in the ds_config, moved to the
     top-level ``"odc"`` block by :func:`canonicalize`."""
@@ -193,7 +209,9 @@ class ODCConfig(BaseModel):
 
     metrics_log_interval: int = Field(0, ge=0)
     """Log every rank's step report (one line, through DeepSpeed's logger at info level, so with the
-    ds_config's ``"log_level": "info"``) every this many steps; 0 (default) never logs."""
+    ds_config's ``"log_level": "info"``) every this many steps; 0 (default) never logs. With one of DeepSpeed's
+    monitors on (the ds_config's tensorboard, wandb, comet or csv_monitor block), the ``ODC/...`` figures are
+    written through it every this many steps, every step when 0 (docs/metrics.md)."""
 
     balance: Optional[BalanceConfig] = None
     """Plan the Hugging Face Trainer's micro-batches from the lengths of each step's samples
@@ -206,6 +224,11 @@ class ODCConfig(BaseModel):
     (``{"budget_mb": 2048, "mode": "all"}``; its fields are activation_offload.*, and
     docs/activation_offload.md says how it works). Default null: activations stay where autograd saves them."""
 
+    timeline: Optional[TimelineConfig] = None
+    """Write every rank's busy/idle spans of chosen steps as a Chrome / Perfetto trace
+    (``{"path": "timeline.json", "steps": [10, 11]}``; its fields are timeline.*). Needs ``metrics``. Default
+    null: no trace."""
+
     @field_validator("shm_dir")
     @classmethod
     def _shm_dir_exists(cls, value: str) -> str:
@@ -214,10 +237,14 @@ class ODCConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _deterministic_has_its_own_accumulator(self) -> "ODCConfig":
+    def _fields_agree(self) -> "ODCConfig":
+        """The cross-field checks (one place)."""
         if self.deterministic and "accumulator_dtype" in self.model_fields_set:
             raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
                              f"accumulator_dtype={self.accumulator_dtype!r} out")
+        if self.timeline is not None and not self.metrics:
+            raise ValueError("timeline draws the step recorder's spans, so metrics=false cannot go with it: leave "
+                             "metrics out (it defaults to true) or the timeline")
         return self
 
 

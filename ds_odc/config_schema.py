@@ -10,10 +10,17 @@ import json
 import os
 import sys
 
-from ds_odc.config import _UNSUPPORTED_ZERO_OPTIONS, ActivationOffloadConfig, BalanceConfig, ODCConfig, QuadraticCost
+from ds_odc.config import (
+    _UNSUPPORTED_ZERO_OPTIONS,
+    ActivationOffloadConfig,
+    BalanceConfig,
+    ODCConfig,
+    QuadraticCost,
+    TimelineConfig,
+)
 
 #: Option blocks inside ODCConfig, documented the same way.
-NESTED_MODELS = (BalanceConfig, QuadraticCost, ActivationOffloadConfig)
+NESTED_MODELS = (BalanceConfig, QuadraticCost, ActivationOffloadConfig, TimelineConfig)
 
 #: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
 _UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",
@@ -148,7 +155,8 @@ def options_markdown() -> str:
     lines += _table(ODCConfig, "", schema["ODCConfig"])
     for model, prefix, title in ((BalanceConfig, "balance.", "`balance`"),
                                  (QuadraticCost, "balance.cost_model.", "`balance.cost_model` as a formula"),
-                                 (ActivationOffloadConfig, "activation_offload.", "`activation_offload`")):
+                                 (ActivationOffloadConfig, "activation_offload.", "`activation_offload`"),
+                                 (TimelineConfig, "timeline.", "`timeline`")):
         lines += ["", f"## {title}", "", " ".join((model.__doc__ or "").split()), ""]
         lines += _table(model, prefix, schema[model.__name__])
     lines += ["", "## Refused with the odc stage", "",

@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from ds_odc.config import ActivationOffloadConfig, BalanceConfig, ODCConfig, QuadraticCost
+from ds_odc.config import ActivationOffloadConfig, BalanceConfig, ODCConfig, QuadraticCost, TimelineConfig
 from ds_odc.config_schema import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ def test_schema_gives_every_option_its_allowed_values():
 def test_the_options_page_documents_every_option_with_its_default():
     documented = _documented_options()
     blocks = ((ODCConfig, ""), (BalanceConfig, "balance."), (QuadraticCost, "balance.cost_model."),
-              (ActivationOffloadConfig, "activation_offload."))
+              (ActivationOffloadConfig, "activation_offload."), (TimelineConfig, "timeline."))
     for model, prefix in blocks:
         for name, field in model.model_fields.items():
             row = prefix + name
@@ -51,7 +51,7 @@ def test_the_options_page_documents_every_option_with_its_default():
 
 def test_nested_blocks_are_in_the_schema_with_their_fields_documented():
     defs = generate()["$defs"]
-    for model in (BalanceConfig, QuadraticCost, ActivationOffloadConfig):
+    for model in (BalanceConfig, QuadraticCost, ActivationOffloadConfig, TimelineConfig):
         spec = defs[model.__name__]
         assert spec["additionalProperties"] is False and set(spec["properties"]) == set(model.model_fields)
         assert all(field.get("description") for field in spec["properties"].values()), model.__name__
