@@ -2,7 +2,7 @@
 
 With the balance block, the Trainer's training loader yields slots (:mod:`ds_odc.integration.hf_balance_loader`):
 ``gradient_accumulation_steps`` of them per rank per step, each holding zero or more of the rank's
-planned micro-batches. Six of the Trainer's methods learn to handle a slot. They are bound on that
+planned micro-batches. Five of the Trainer's methods learn to handle a slot. They are bound on that
 Trainer *instance* only (:func:`bind_balance`, called by :mod:`ds_odc.integration.hf_trainer` when the
 Trainer's config has the block), and each delegates to the class's own method for the work of one batch
 and for anything that is not a slot:
@@ -12,12 +12,14 @@ and for anything that is not a slot:
   micro-batches (every rank joins the count, one with no micro-batch too); ordinary batches: the class's;
 * ``training_step``: each micro-batch of the slot (the gradient-accumulation boundary on the slot's
   last one, ``engine.step()`` directly when this rank has no micro-batch left for the step);
-* ``floating_point_ops``, ``_track_num_input_tokens``: over the slot's micro-batches;
-* ``log``: adds the plan's per-rank micro-batch counts and the measured utilisation to the logs.
+* ``floating_point_ops``, ``_track_num_input_tokens``: over the slot's micro-batches.
 
-What they share lives in one :class:`TrainerBalance` per Trainer (``balance_state(trainer)``). The two
-collectives they add (the token count, the utilisation) go through
-:func:`~ds_odc.integration.hf_gather.gather_rows`.
+Each slot's plan header is noted on the engine's step recorder (``ds_odc.metrics.note_plan``), so the figures
+every ODC Trainer logs (:mod:`ds_odc.integration.hf_metrics`, which binds ``log``) compare the plan with what
+ran, and add the keys this block has always logged (``odc_micro_batches``, ``odc_planned_utilisation``, ...).
+
+What they share lives in one :class:`TrainerBalance` per Trainer (``balance_state(trainer)``). The collective
+they add (the token count) goes through :func:`~ds_odc.integration.hf_gather.gather_rows`.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from ds_odc.integration.hf_sequence_parallel import placement_of
 from ds_odc.integration.patching import bind, swapped
 from ds_odc.integration.surface import has
 from ds_odc.integration.surface_table import TRAINER_RUN_EPOCH
+from ds_odc.metrics import note_plan
 
 #: The one attribute a bound Trainer carries besides its bound methods.
 STATE_ATTRIBUTE = "_ds_odc_balance"
@@ -50,8 +53,8 @@ _END = object()
 class TrainerBalance:
     """The balance behaviour of one Trainer and its state (see the module docstring).
 
-    ``config``: the balance block. ``last_header``: the plan header of the last slot this rank ran (what
-    ``log`` reports). ``warned_local_gather``: the warning about metrics gathered inside a micro-batch
+    ``config``: the balance block. ``last_header``: the plan header of the last slot this rank ran (what the
+    Trainer's ``log`` reports). ``warned_local_gather``: the warning about metrics gathered inside a micro-batch
     was given."""
 
     config: BalanceConfig
@@ -62,10 +65,10 @@ class TrainerBalance:
         """Method name -> ``behaviour(class's method, trainer, *args)`` (:func:`~ds_odc.integration.patching.bind`)."""
         methods = {"get_batch_samples": self.get_batch_samples, "training_step": self.training_step,
                    "floating_point_ops": self.floating_point_ops,
-                   "_track_num_input_tokens": self.track_num_input_tokens, "log": self.log}
+                   "_track_num_input_tokens": self.track_num_input_tokens}
         return {"get_train_dataloader": self.get_train_dataloader, **methods} if with_loader else methods
 
-    # -- the six behaviours ---------------------------------------------------------------------------
+    # -- the five behaviours ---------------------------------------------------------------------------
     def get_train_dataloader(self, original, trainer):
         return slot_loader(trainer, original(trainer), self.config)
 
@@ -103,6 +106,7 @@ class TrainerBalance:
         replicas = placement.groups if placement else trainer.args.world_size
         trainer.current_gradient_accumulation_steps = inputs.header.global_micro_batches / replicas
         self.last_header = inputs.header
+        _note_plan(trainer, inputs.header)
         entries = inputs.entries or [None] * len(inputs.micro_batches)
         # with a count, the Trainer's loss is the micro-batch's token sum over the step's global count (times the
         # world size): it adds up over a split micro-batch's slices (checked at the first step, on every rank)
@@ -132,21 +136,6 @@ class TrainerBalance:
                 original(trainer, batch)
             return None
         return original(trainer, inputs)
-
-    def log(self, original, trainer, logs, *args, **kwargs):
-        """At each training log (every rank logs at the same steps): each rank's micro-batch count in the
-        last step and the utilisation the plan predicts (known everywhere, from the plan), and each rank's
-        measured utilisation (``ds_odc.metrics``, one small gather)."""
-        header = self.last_header
-        if header is not None and "loss" in logs:
-            logs = dict(logs)
-            logs["odc_micro_batches"] = "/".join(str(c) for c in header.micro_batch_counts)
-            logs["odc_planned_utilisation"] = round(header.planned_utilisation, 4)
-            measured = _measured_utilisation(trainer)
-            if measured is not None:
-                logs["odc_utilisation"] = round(sum(measured) / len(measured), 4)
-                logs["odc_utilisation_per_rank"] = "/".join(f"{u:.3f}" for u in measured)
-        return original(trainer, logs, *args, **kwargs)
 
     # -- inside a micro-batch ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -193,15 +182,11 @@ def _step_without_micro_batch(trainer) -> None:
     engine.step()
 
 
-def _measured_utilisation(trainer) -> list[float] | None:
-    engine = getattr(trainer, "deepspeed", None)
-    recorder = getattr(engine, "odc_metrics", None)
-    report = getattr(recorder, "last", None) if recorder is not None else None
-    local = torch.tensor([0.0, 0.0] if report is None else [1.0, report.utilisation])
-    rows = gather_rows(trainer, local, "utilisation")
-    if not bool((rows[:, 0] > 0).all()):
-        return None
-    return [float(u) for u in rows[:, 1]]
+def _note_plan(trainer, header) -> None:
+    """The step's plan, noted on the engine's recorder (the figures' ``ODC/plan/...``; a no-op without one)."""
+    wrapped = trainer.accelerator.deepspeed_engine_wrapped
+    if wrapped is not None:
+        note_plan(wrapped.engine, header)
 
 
 # -- binding ------------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """The one place where the Trainer balance talks to every rank outside ODC's step rounds.
 
 ODC's own communication happens in the step protocol's rounds (fence, norm, update, publish), which
-watch the failure board: a dead rank is named within ``timeout_s``. The Trainer balance adds three small
+watch the failure board: a dead rank is named within ``timeout_s``. The Trainer adds three small
 collectives of its own, all through :func:`gather_rows`:
 
 * ``"loss-token count"``: the step's global number of loss tokens (``get_batch_samples``, once per
   optimizer step, every rank, one with no micro-batch too; :mod:`ds_odc.integration.hf_balance`);
-* ``"utilisation"``: each rank's measured utilisation, at each training log (``log``; same module);
+* ``"the ODC figures"``: each rank's row of figures, at each training log of every ODC Trainer (``log``;
+  :mod:`ds_odc.integration.hf_metrics`; a row wider than one round takes two);
 * ``"cost-model times"``: the forward+backward seconds of the ``"measure"`` cost model, once when
   training starts (:mod:`ds_odc.integration.hf_cost`).
 

@@ -5,7 +5,9 @@ A Trainer asks for ODC when the ds_config of its arguments does (``args.hf_deeps
 delegating to its class's method; :func:`ds_odc.integration.patching.bind`):
 
 * ``train``: first releases the inference-only ODC engine an earlier ``evaluate()`` left behind (below);
-* with an odc balance block, the six methods of :mod:`ds_odc.integration.hf_balance`.
+* ``log``: adds the ``ODC/...`` figures to each training log (:mod:`ds_odc.integration.hf_metrics`), so
+  ``report_to`` shows them;
+* with an odc balance block, the five methods of :mod:`ds_odc.integration.hf_balance`.
 
 Every other Trainer, and the ``Trainer`` class itself, runs transformers' code. To reach an instance
 at all, one class-level hook is needed (Python offers no other place where every new Trainer passes):
@@ -33,6 +35,8 @@ from deepspeed.utils import logger
 
 from ds_odc.config import MARKER_KEY, ODC_STAGE, is_odc_config, parse_options
 from ds_odc.integration.hf_balance import bind_balance
+from ds_odc.integration.hf_metrics import STATE_ATTRIBUTE as FIGURES_ATTRIBUTE
+from ds_odc.integration.hf_metrics import TrainerFigures
 from ds_odc.integration.patching import PatchSet, bind
 from ds_odc.integration.versions import untested_hf_release
 from ds_odc_import_hooks import when_imported
@@ -92,6 +96,10 @@ def bind_if_odc(trainer) -> bool:
     release = f"transformers {transformers.__version__}"
     if options.balance is not None:
         bind_balance(trainer, options.balance, release=release)
+    if getattr(trainer, FIGURES_ATTRIBUTE, None) is None:
+        figures = TrainerFigures()
+        bind(trainer, {"log": figures.log}, needed_for="the odc stage's figures in the Trainer's logs", release=release)
+        setattr(trainer, FIGURES_ATTRIBUTE, figures)
     bind(trainer, {"train": _train}, needed_for="the odc stage", release=release)
     return True
 

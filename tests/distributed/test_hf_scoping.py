@@ -7,7 +7,8 @@ the ones imported, whichever copy is installed):
 * a plain ZeRO-3 Trainer run whose ``Trainer`` methods carry sentinels installed before DeepSpeed is
   imported: every sentinel runs, and no attribute of ``Trainer`` or ``transformers.trainer`` is
   replaced; once a config asks for the odc stage, exactly one is (``Trainer.__init__``, a pass-through
-  to the installed one), and a plain Trainer built after that still gets nothing bound;
+  to the installed one), and a plain Trainer built after that still gets nothing bound (an ODC Trainer gets
+  ``train`` and ``log``, and the balance methods with the balance block);
 * a transformers release without ``Trainer._track_num_input_tokens`` (transformers' own ``trainer.py``
   with the method renamed, its callers included): it imports without a warning, a plain run works, an
   ODC Trainer is built, and an ODC Trainer with a balance block fails naming the release and the method.
@@ -66,7 +67,7 @@ def test_a_release_without_a_balance_method_imports_trains_and_refuses_only_the_
         assert rank["release_lacks_method"] and rank["ds_odc_imported"]
         assert rank["engine"] == "DeepSpeedEngine" and len(rank["losses"]) == 2
         assert rank["class_replaced"] == [] and rank["module_replaced"] == [] and rank["bound_on_instance"] == []
-        assert rank["odc"] == {"built": True, "bound": ["train"]}
+        assert rank["odc"] == {"built": True, "bound": ["log", "train"]}
         assert not rank["odc_balance"]["built"]
         error = rank["odc_balance"]["error"]
         assert "zero_optimization.odc.balance" in error and "Trainer._track_num_input_tokens" in error
