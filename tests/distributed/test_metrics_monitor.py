@@ -108,6 +108,30 @@ def test_the_monitor_writes_every_interval_the_steps_since_the_last_write(tmp_pa
         assert (value[PREFIX + "micro_batches/min"], value[PREFIX + "micro_batches/max"]) == COUNTS  # per step
 
 
+def test_activation_offload_adds_its_bytes_and_a_row_wider_than_one_round_still_arrives_whole(tmp_path):
+    """With activation offload a row carries 9 fields: two exchange rounds of at most 8 values."""
+    from ds_odc.metrics.figures import fields_for
+    from ds_odc.runtime.core import VALUES_WIDTH
+
+    assert len(fields_for(fenced=True, offload=True)) > VALUES_WIDTH
+    extra = {"activation_offload": {"budget_mb": 0}}
+    ranks = run_ranks(monitored_run, 2, "odc", str(tmp_path), COUNTS, 2, 0, None, True, extra, timeout=300)
+    figures = {tag: points for tag, points in scalars(str(tmp_path / "tb")).items() if tag.startswith(PREFIX)}
+    assert set(figures) == ODC_FIGURES | {PREFIX + "activation_offload/mean_bytes",
+                                          PREFIX + "activation_offload/max_bytes"}
+    for index, step in enumerate([1, 2]):
+        mine, theirs = (r["reports"][index] for r in ranks)
+        value = {tag: dict(points)[step] for tag, points in figures.items()}
+        moved = [mine.counter("offload_bytes"), theirs.counter("offload_bytes")]
+        assert moved[1] > moved[0] > 0  # three micro-batches offload more than one
+        assert value[PREFIX + "activation_offload/max_bytes"] == moved[1]
+        assert value[PREFIX + "activation_offload/mean_bytes"] == sum(moved) / 2
+        # the fields of the first round and of the second, each from the right rank
+        assert (value[PREFIX + "micro_batches/min"], value[PREFIX + "micro_batches/max"]) == COUNTS
+        assert value[PREFIX + "utilisation/min"] == pytest.approx(min(mine.utilisation, theirs.utilisation), rel=1e-6)
+        assert value[PREFIX + "push/max_bytes"] == theirs.counter("push_bytes")
+
+
 def test_a_zero3_engine_under_attach_writes_the_same_names(tmp_path):
     ranks = run_ranks(monitored_run, 2, 3, str(tmp_path), (2, 2), 2, 0, None, False, timeout=300)
     assert ranks[0]["engine"] == "DeepSpeedEngine"

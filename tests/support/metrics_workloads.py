@@ -18,8 +18,9 @@ from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 PLAN = PlannedStep((1.0, 3.0), 3.0)
 
 
-def monitor_config(stage, out_dir: str, interval: int = 0, timeline: dict | None = None) -> dict:
-    odc = {"metrics_log_interval": interval}
+def monitor_config(stage, out_dir: str, interval: int = 0, timeline: dict | None = None,
+                   odc_extra: dict | None = None) -> dict:
+    odc = {"metrics_log_interval": interval, **(odc_extra or {})}
     if timeline is not None:
         odc["timeline"] = timeline
     config = ds_config(stage, managed=False, **({"odc": odc} if stage == "odc" else {}))
@@ -29,11 +30,12 @@ def monitor_config(stage, out_dir: str, interval: int = 0, timeline: dict | None
 
 
 def monitored_run(stage, out_dir: str, counts=(1, 3), steps: int = 3, interval: int = 0,
-                  timeline: dict | None = None, plan: bool = True) -> dict:
-    """``steps`` optimizer steps, rank r running ``counts[r]`` micro-batches of 4 rows each. Returns this rank's
-    step reports (with their events) and the global step after each."""
+                  timeline: dict | None = None, plan: bool = True, odc_extra: dict | None = None) -> dict:
+    """``steps`` optimizer steps, rank r running ``counts[r]`` micro-batches of 4 rows each (``odc_extra``: more
+    odc options). Returns this rank's step reports (with their events) and the global step after each."""
     rank = tdist.get_rank()
-    engine, *_ = deepspeed.initialize(model=make_model(), config=monitor_config(stage, out_dir, interval, timeline))
+    engine, *_ = deepspeed.initialize(model=make_model(),
+                                      config=monitor_config(stage, out_dir, interval, timeline, odc_extra))
     if stage != "odc":
         ds_odc.metrics.attach(engine, interval)
     global_steps = []
