@@ -15,7 +15,7 @@ and for anything that is not a slot:
 * ``floating_point_ops``, ``_track_num_input_tokens``: over the slot's micro-batches.
 
 Each slot's plan header is noted on the engine's step recorder (``ds_odc.metrics.note_plan``), so the figures
-every ODC Trainer logs (:mod:`ds_odc.integration.hf_metrics`, which binds ``log``) compare the plan with what
+every ODC Trainer logs (its ``log``: :mod:`ds_odc.integration.hf_metrics`) compare the plan with what
 ran, and add the keys this block has always logged (``odc_micro_batches``, ``odc_planned_utilisation``, ...).
 
 What they share lives in one :class:`TrainerBalance` per Trainer (``balance_state(trainer)``). The collective
