@@ -1,6 +1,6 @@
 """The ODC figures where users already look: DeepSpeed's monitors (TensorBoard and CSV files, read back), the HF
 Trainer's logs and its TensorBoard events, and the timeline trace; on 2 CPU ranks running uneven micro-batch
-counts, and the same names from a ZeRO-3 engine under ``ds_odc.metrics.attach``."""
+counts (4 for the split policy), and the same names from a ZeRO-3 engine under ``ds_odc.metrics.attach``."""
 import collections
 import csv
 import glob
@@ -130,6 +130,31 @@ def test_activation_offload_adds_its_bytes_and_a_row_wider_than_one_round_still_
         assert (value[PREFIX + "micro_batches/min"], value[PREFIX + "micro_batches/max"]) == COUNTS
         assert value[PREFIX + "utilisation/min"] == pytest.approx(min(mine.utilisation, theirs.utilisation), rel=1e-6)
         assert value[PREFIX + "push/max_bytes"] == theirs.counter("push_bytes")
+
+
+def test_split_micro_batches_are_counted_and_timed_per_rank(tmp_path):
+    """The split policy on 4 CPU ranks: each rank's split micro-batches per step, as its plan gives them, and the
+    plan's prediction from a SplitPlan; a row of 10 fields (two rounds)."""
+    pytest.importorskip("transformers")
+    from tests.support.metrics_workloads import monitored_split_run
+
+    ranks = run_ranks(monitored_split_run, 4, str(tmp_path), 2, timeout=400)
+    written = {tag: points for tag, points in csv_figures(str(tmp_path / "csv" / "job")).items()
+               if tag.startswith("ODC_")}  # DeepSpeed's own are written at global_samples
+    for name in ("split/micro_batches/min", "split/micro_batches/max", "split/mean_s", "split/max_s"):
+        assert [s for s, _ in written[f"ODC_{name.replace('/', '_')}"]] == [1, 2], name
+    for index, step in enumerate([1, 2]):
+        value = {tag: dict(points)[step] for tag, points in written.items()}
+        entries = [r["split_entries"][index] for r in ranks]
+        assert (value["ODC_split_micro_batches_min"], value["ODC_split_micro_batches_max"]) == (min(entries),
+                                                                                                max(entries))
+        assert max(entries) > 0 and value["ODC_split_max_s"] == pytest.approx(
+            max(r["reports"][index].counter("split_s") for r in ranks), rel=1e-9)
+        plan = ranks[0]["plans"][index]
+        assert value["ODC_plan_balance"] == pytest.approx(plan.balance) and \
+            value["ODC_plan_step_cost"] == pytest.approx(plan.step_cost)
+        counts = [r["reports"][index].micro_batches for r in ranks]
+        assert (value["ODC_micro_batches_min"], value["ODC_micro_batches_max"]) == (min(counts), max(counts))
 
 
 def test_a_zero3_engine_under_attach_writes_the_same_names(tmp_path):

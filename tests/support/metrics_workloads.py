@@ -70,3 +70,34 @@ def trainer_run(stage, output_dir: str, balance: dict | None = None, steps: int 
     recorder = getattr(trainer.model_wrapped, "odc_metrics", None)
     return {"log_history": trainer.state.log_history, "engine": type(trainer.model_wrapped).__name__,
             "reports": None if recorder is None else list(recorder.reports)}
+
+
+def monitored_split_run(out_dir: str, steps: int = 3) -> dict:
+    """The split-policy training of ``split_workloads`` (4 ranks, hand-written plans, uneven counts) with the CSV
+    monitor on and each step's plan noted: every rank's split entries per step and its step reports."""
+    from ds_odc.balance import split_batch
+    from tests.support import split_workloads as split
+    from tests.support.sp_workloads import tiny_llama
+
+    rank = tdist.get_rank()
+    config = split.ds_config()
+    config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(out_dir, "csv"), "job_name": "job"}
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    split_entries = []
+    for step in range(steps):
+        step_plan = split.plan(step)
+        ds_odc.metrics.note_plan(engine, step_plan)
+        mine = step_plan.for_rank(rank)
+        split_entries.append(sum(1 for entry in mine if len(entry.ranks) > 1))
+        for entry in mine:
+            part = split_batch(split.packed(step, entry.samples, step_plan.lengths), entry, rank)
+            with engine.odc_micro_batch(entry):
+                logits = engine(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits
+                loss, tokens = split.token_sum(logits, part["shift_labels"])
+                engine.backward(loss, loss_tokens=tokens)
+        engine.step()
+    reports = list(engine.odc_metrics.reports)
+    engine.destroy()
+    return {"split_entries": split_entries, "reports": reports,
+            "plans": [ds_odc.metrics.planned_step(split.plan(step)) for step in range(steps)]}
