@@ -52,8 +52,8 @@ def attach_recorder(engine, log_interval: int = 0) -> StepRecorder:
             if report.step % log_interval == 0:
                 logger.info("odc metrics: %s", report.log_line())
     recorder = StepRecorder(rank=engine.global_rank, on_step=on_step, device=engine.device)
-    publisher = Publisher(engine, recorder, log_interval, getattr(getattr(engine, "odc_options", None), "timeline",
-                                                                  None))
+    timeline = getattr(getattr(engine, "odc_options", None), "timeline", None)  # the odc stage's option
+    publisher = Publisher(engine, recorder, log_interval, timeline)
     counted = [name for name in job_fields(engine) if name in _COUNTED]
     hooks = PatchSet(f"the step recorder of rank {engine.global_rank}'s engine")
     hooks.replace(engine, "forward", lambda call: _forward(recorder, call))
