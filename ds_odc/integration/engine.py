@@ -352,8 +352,12 @@ class ODCEngine(DeepSpeedEngine):
             self._odc.frozen = zero3_frozen.attach(built, self._odc.options, timeout_s)
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         else:
-            self._odc.lockstep, self._odc.split = engine_locksteps.attach(self, built.odc, self._odc.options.balance,
-                                                                          timeout_s)
+            try:
+                self._odc.lockstep, self._odc.split = engine_locksteps.attach(self, built.odc,
+                                                                              self._odc.options.balance, timeout_s)
+            except BaseException:  # refused (or failed) after the optimizer made its windows: __init__'s cleanup
+                built.destroy()    # cannot see them (self.optimizer is not set yet), so they go here
+                raise
         return built
 
     def _backward_prologue_per_tensor(self, grad):

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     totals: collections.Counter = collections.Counter()
     failures = []
 
-    def report(seed, job, problems, records):
+    def report(job, problems, records):
+        seed = job.seed
         refusal = expected_refusal(job)
         totals["jobs"] += 1
         totals["refused as predicted" if refusal is not None and not problems else "trained"] += not problems

@@ -129,10 +129,6 @@ def _mutated(job, mutation, bf16=False):
 
 
 # -- regressions: defects the random search found ---------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="ds_odc/integration/engine.py: ODCEngine._configure_zero_optimizer refuses the "
-                   "split policy's groups (heads, or a fixed SP mpu) after ODCStage3Optimizer made the windows, before "
-                   "self.optimizer is set, so __init__'s cleanup does not destroy them: the rank's windows and its "
-                   "mappings of every peer's stay in the process")
 def test_a_refusal_at_initialize_after_the_windows_exist_leaves_nothing_mapped():
     """Found as seeds whose parallel is "sp+split" (e.g. 52): every such job left its engine's windows mapped."""
     for rank, result in enumerate(run_ranks(workloads.refused_at_initialize_after_the_windows, 2, timeout=180)):

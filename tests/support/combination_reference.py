@@ -216,12 +216,7 @@ def _token_margins(model, job: Job, rank: int, tokens: List[int]) -> List[float]
 #: what it looks like in a problem). A job whose every problem is a known defect's does not fail the fixed seeds'
 #: test, which ends as xfail naming it; once no job shows it any more the test fails, so that the entry goes. Each has
 #: a regression test of its own in test_combinations.py (xfail, strict).
-KNOWN_DEFECTS = {
-    "a refusal at initialize after the optimizer made its windows leaves them mapped (ODCEngine."
-    "_configure_zero_optimizer)": (lambda job: job.parallel == "sp+split",
-                                   lambda problem: "left behind in the rank's process" in problem
-                                   and "'mapped': [" in problem),
-}
+KNOWN_DEFECTS: dict = {}
 
 
 def known_defects(job: Job, problems: List[str]) -> List[str]:

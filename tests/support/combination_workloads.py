@@ -191,10 +191,12 @@ class _Run:
                 if managed_steps and not job.deepspeed_boundary:
                     engine.set_gradient_accumulation_boundary(m == len(entries) - 1)
                 self._micro_batch(step, entry, micro_batch, outside[m] if outside is not None else None)
-                if managed_steps:
-                    engine.step()
+                # collective on the odc stage: every rank moves its windows inside the same step, so before the
+                # engine.step() that may be this rank's boundary (a rank with one micro-batch) and not after it
                 if job.offload_at == step and job.offload_states == "mid" and m == 0:
                     self._offload_states()
+                if managed_steps:
+                    engine.step()
         if managed_steps and not entries:
             engine.set_gradient_accumulation_boundary(True)
             engine.step()
