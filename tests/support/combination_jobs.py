@@ -51,8 +51,8 @@ AXES: Dict[str, Tuple[Tuple, Tuple[float, ...]]] = {
     "reference_model": (("none", "inside", "outside"), (2, 1, 1)),  # a frozen engine's forwards feeding the loss
     "checkpointing": (("none", "reentrant", "non-reentrant"), (3, 1, 1)),  # HF gradient checkpointing
     "activation_offload": (("none", "all", "checkpoint_inputs"), (3, 1, 1)),  # odc.activation_offload, budget 0
-    # engine.offload_states() / reload_states() before a step's micro-batches, or after each rank's first backward (before
-    # that micro-batch's engine.step(), which is a one-micro-batch rank's boundary: the call is collective on odc)
+    # engine.offload_states() / reload_states() before a step's micro-batches, or after each rank's first backward
+    # (before that micro-batch's engine.step(), a one-micro-batch rank's boundary: the call is collective on odc)
     "offload_states": (("none", "between", "mid"), (3, 1, 1)),
     # which states: every one (include=None), the two ODC windows, or the rank's own (fp32 master, optimizer
     # state, gradient bucket); only read when offload_states is not "none"
