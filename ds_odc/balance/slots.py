@@ -41,10 +41,14 @@ class StepHeader:
     samples: int  # in the global minibatch
     odc_cost: float = 0.0  # the plan's step cost when ranks meet only at the step (max_rank Σ_m)
     collective_cost: float = 0.0  # ... when they meet at every micro-batch (Σ_m max_rank)
+    shared_micro_batches: int = 0  # split policy: entries in micro_batch_counts that another member also counts
 
     @property
     def global_micro_batches(self) -> int:
-        return sum(self.micro_batch_counts)
+        """The step's micro-batches, each counted once: a split one, which every member of its group runs (and
+        ``micro_batch_counts`` counts per member), is one micro-batch, as ``global_samples`` counts its samples
+        once. The one rule the engine's step totals follow too (its members beyond the first are ``shared``)."""
+        return sum(self.micro_batch_counts) - self.shared_micro_batches
 
     @property
     def planned_utilisation(self) -> float:
@@ -172,8 +176,9 @@ class StepPlanner:
         items: list[list]
         if isinstance(plan, SplitPlan):
             counts = tuple(len(plan.for_rank(r)) for r in range(plan.world_size))
+            shared = sum(split.group_size - 1 for split in plan.splits)
             header = StepHeader(step, counts, tuple(plan.rank_costs()), len(members), plan.step_cost(),
-                                plan.step_cost())
+                                plan.step_cost(), shared)
             entries = plan.for_rank(self.rank)
             items = [[header] for _ in range(slots)]
             for m, (entry, slot) in enumerate(zip(entries, slot_of_micro_batches(len(entries), slots))):

@@ -363,6 +363,9 @@ def test_slots_carry_each_entry_and_cut_split_micro_batches_to_the_rank_slice():
     header = items[0][0]
     plan = planner.plan(lengths, seed=0)
     assert header.micro_batch_counts == tuple(len(plan.for_rank(r)) for r in range(4))
+    # one rule for the step's count: a split micro-batch once, as global_samples counts its samples
+    distinct = {(entry.samples, entry.ranks) for r in range(4) for entry in plan.for_rank(r)}
+    assert plan.splits and header.global_micro_batches == len(distinct) < sum(header.micro_batch_counts)
     cut = []
     collator = SlotCollator(lambda samples: list(samples), lambda batch, entry: cut.append(entry) or ("slice", batch))
     slots = [collator([item[0]] + [(key, index) for key, index in item[1:]]) for item in items]
