@@ -7,16 +7,23 @@ the newest transformers and accelerate; then the two ends of the transformers / 
 0.19.8; then a release below the range, which must be refused at ``import ds_odc``. The "split policy" subset runs
 the split runtime's tests (balance policy "lb-mini-split"); on a release that refuses the policy by name
 (``require_feature``, e.g. DeepSpeed before 0.18.2) its cell passes as "refused by name" only if every failing test
-failed on that refusal at ``initialize``. Every environment is made the way a user makes one: torch 2.13.0 first,
-held there by a constraints file (a package that asks for another torch fails to install instead of downloading
-one), then the stack's pins, then ds_odc from this checkout through pip's resolver (so its declared ranges must
-admit the stack). The runs put this checkout first on ``PYTHONPATH``: they test this checkout even in an environment
-built from another one. Each subset is run against that release's own ZeRO-3: the parity, checkpoint and Trainer
-tests run ZeRO-3 and ODC side by side in the same environment.
+failed on that refusal at ``initialize``. Then the torch axis: DeepSpeed 0.19.8 with the newest transformers and
+accelerate on each torch release of ``TORCH_RELEASES`` (the GPU machine's 2.11.0, the development environment's
+2.13.0, the newest release on PyPI), each with the parity, uneven-count, checkpoint, frozen-engine, offload_states
+and Trainer subsets. Every environment is made the way a user makes one: the stack's torch first (2.13.0 but on
+the torch axis), held there by a constraints file (a package that asks for another torch fails to install instead
+of downloading one), then the stack's pins, then ds_odc from this checkout through pip's resolver (so its declared
+ranges must admit the stack). The torch wheel is the one pip's configured indexes serve (PyPI's Linux wheel is a
+CUDA build, which runs on the CPU as well; ``--torch-index`` names another index, e.g. PyTorch's CPU one); the table
+names the build installed. A stack whose environment cannot be made (a torch the pins refuse) is a row of its own
+with pip's reason, not an abort. The runs put this checkout first on ``PYTHONPATH``: they test this checkout even in
+an environment built from another one. Each subset is run against that release's own ZeRO-3: the parity,
+checkpoint and Trainer tests run ZeRO-3 and ODC side by side in the same environment.
 
     python tests/compat/run_version_matrix.py                       # set up what is missing, run everything
     python tests/compat/run_version_matrix.py --only 0.18.9 --subset parity
     python tests/compat/run_version_matrix.py --setup-only
+    python tests/compat/run_version_matrix.py --torch 2.11.0 --torch 2.15.0  # only the torch axis, these releases
 
 Prints a markdown table (stacks by subsets, passed / failed / skipped counts) with the command and the date,
 for docs/frameworks.md. Exits 1 if any cell fails.
@@ -38,7 +45,8 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKOUT = os.path.dirname(os.path.dirname(HERE))
-TORCH = "torch==2.13.0"
+TORCH_DEFAULT = "2.13.0"  # every stack's torch but the torch axis's
+TORCH = f"torch=={TORCH_DEFAULT}"
 TEST_TOOLS = ["pytest>=8", "hypothesis==6.170.15"]
 
 #: subset -> the test files it runs (from the checkout root). Each compares ODC with ZeRO-3 or one process.
@@ -48,13 +56,16 @@ SUBSETS = {
     "uneven counts": ["tests/distributed/test_uneven.py"],
     "checkpoint": ["tests/distributed/test_checkpoint.py"],
     "frozen engines": ["tests/distributed/test_frozen_engines.py"],
+    "offload_states": ["tests/distributed/test_offload_states.py"],
     "HF Trainer": ["tests/distributed/test_hf_trainer.py"],
     "split policy": ["tests/unit/test_split_runtime.py", "tests/distributed/test_split_runtime.py"],
 }
 #: subset -> the Feature (its constant in ds_odc/integration/surface_table.py) it exercises. Where the release
 #: refuses that feature (require_feature), the cell passes only if every failing test failed on that refusal.
 FEATURE_SUBSETS = {"split policy": "SPLIT_POLICY"}
-DEEPSPEED_SUBSETS = list(SUBSETS)
+DEEPSPEED_SUBSETS = [s for s in SUBSETS if s != "offload_states"]
+#: the torch axis's subsets (the split policy's tests exercise DeepSpeed's Ulysses, not torch)
+TORCH_SUBSETS = ["surface", "parity", "uneven counts", "checkpoint", "frozen engines", "offload_states", "HF Trainer"]
 HF_SUBSETS = ["surface", "HF Trainer"]
 REFUSED = "refused at import"
 
@@ -67,6 +78,7 @@ class Stack:
     transformers: str
     accelerate: str
     subsets: list = field(default_factory=lambda: list(DEEPSPEED_SUBSETS))
+    torch: str = TORCH_DEFAULT
 
     @property
     def pins(self) -> list:
@@ -74,11 +86,17 @@ class Stack:
                 f"accelerate=={self.accelerate}", *TEST_TOOLS]
 
     @property
-    def venv_name(self) -> str:
-        return f"ds{self.deepspeed}-tf{self.transformers}-acc{self.accelerate}"
+    def torch_pin(self) -> str:
+        return f"torch=={self.torch}"
 
-    def spec(self) -> dict:
-        return {"torch": TORCH, "pins": self.pins, "installs_ds_odc": self.installs_ds_odc}
+    @property
+    def venv_name(self) -> str:
+        name = f"ds{self.deepspeed}-tf{self.transformers}-acc{self.accelerate}"
+        return name if self.torch == TORCH_DEFAULT else f"torch{self.torch}-{name}"
+
+    def spec(self, torch_index: str = "") -> dict:
+        return {"torch": self.torch_pin, "pins": self.pins, "installs_ds_odc": self.installs_ds_odc,
+                **({"torch_index": torch_index} if torch_index else {})}
 
     @property
     def installs_ds_odc(self) -> bool:
@@ -88,6 +106,17 @@ class Stack:
 
 NEWEST_TF, NEWEST_ACC = "5.23.0", "1.15.0"
 OLDEST_TF, OLDEST_ACC = "4.57.1", "1.11.0"
+#: the torch axis: the GPU machine's release (docs/gpu.md), the development environment's, the newest on PyPI
+TORCH_RELEASES = {"2.11.0": "the GPU machine's", TORCH_DEFAULT: "development", "2.15.0": "newest"}
+
+
+def torch_stack(release: str) -> Stack:
+    """DeepSpeed 0.19.8 with the newest transformers and accelerate on ``release`` of torch."""
+    why = TORCH_RELEASES.get(release)
+    return Stack(f"torch {release}" + (f" ({why})" if why else ""), "0.19.8", NEWEST_TF, NEWEST_ACC,
+                 list(TORCH_SUBSETS), release)
+
+
 STACKS = [
     Stack("deepspeed 0.18.0 (oldest)", "0.18.0", NEWEST_TF, NEWEST_ACC),
     Stack("deepspeed 0.18.9 (newest 0.18)", "0.18.9", NEWEST_TF, NEWEST_ACC),
@@ -99,35 +128,49 @@ STACKS = [
     Stack(f"transformers {NEWEST_TF} + accelerate {NEWEST_ACC} (newest)", "0.19.8", NEWEST_TF, NEWEST_ACC,
           list(HF_SUBSETS)),
     Stack("deepspeed 0.17.6 (below the range)", "0.17.6", NEWEST_TF, NEWEST_ACC, [REFUSED]),
+    *(torch_stack(release) for release in TORCH_RELEASES),
 ]
 
 
 # -- environments ---------------------------------------------------------------------------------------
-def _pip(python: str, *args: str) -> None:
-    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True)
+class SetupFailed(Exception):
+    """pip could not make a stack's environment: the stack's row says why."""
 
 
-def ensure_env(stack: Stack, root: str) -> str:
+def _pip(python: str, constraints: str, *args: str) -> None:
+    """``pip install`` in the environment with its constraints file as pip's only one: PIP_CONSTRAINT replaces a
+    constraints file from pip's configuration (a machine's cap on torch would otherwise be added to it)."""
+    done = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+                          env={**os.environ, "PIP_CONSTRAINT": constraints}, capture_output=True, text=True)
+    if done.returncode:
+        lines = [line for line in (done.stdout + done.stderr).splitlines()
+                 if line.strip() and "is ignored: it is neither a file nor a directory" not in line]
+        raise SetupFailed(f"pip install {' '.join(args)}:\n" + "\n".join(lines[-25:]))
+
+
+def ensure_env(stack: Stack, root: str, torch_index: str = "") -> str:
     """The venv's python, building the venv when its recorded spec differs from ``stack.spec()``."""
     path = os.path.join(root, stack.venv_name)
     python, stamp = os.path.join(path, "bin", "python"), os.path.join(path, "ds_odc_matrix.json")
     if os.path.exists(stamp):
         with open(stamp) as handle:
-            if json.load(handle) == stack.spec():
+            if json.load(handle) == stack.spec(torch_index):
                 return python
     print(f"setting up {path}", flush=True)
+    started = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", "--clear", path], check=True)
     constraints = os.path.join(path, "constraints.txt")
     with open(constraints, "w") as handle:
-        handle.write(TORCH + "\n")
-    _pip(python, "--upgrade", "pip", "setuptools", "wheel")
-    _pip(python, TORCH)
+        handle.write(stack.torch_pin + "\n")
+    _pip(python, constraints, "--upgrade", "pip", "setuptools", "wheel")
+    _pip(python, constraints, *(["--index-url", torch_index] if torch_index else []), stack.torch_pin)
     # DeepSpeed builds against the installed torch: without build isolation (an isolated build pulls a torch)
-    _pip(python, "-c", constraints, "--no-build-isolation", *stack.pins)
+    _pip(python, constraints, "--no-build-isolation", *stack.pins)
     if stack.installs_ds_odc:
-        _pip(python, "-c", constraints, "--no-build-isolation", "-e", CHECKOUT)
+        _pip(python, constraints, "--no-build-isolation", "-e", CHECKOUT)
     with open(stamp, "w") as handle:
-        json.dump(stack.spec(), handle)
+        json.dump(stack.spec(torch_index), handle)
+    print(f"set up {path} in {time.monotonic() - started:.0f} s", flush=True)
     return python
 
 
@@ -153,10 +196,14 @@ def build_operators(python: str) -> None:
 
 
 def installed(python: str) -> dict:
-    """The releases the environment really has (the resolver may have moved a pin's neighbours)."""
-    code = ("import importlib.metadata as m, json\n"
-            "print(json.dumps({p: m.version(p) for p in ('torch', 'deepspeed', 'transformers', 'accelerate')}))")
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    """The releases the environment really has (the resolver may have moved a pin's neighbours), and the build of
+    its torch (a CUDA build from PyPI, or a CPU one)."""
+    code = ("import importlib.metadata as m, json, torch\n"
+            "found = {p: m.version(p) for p in ('torch', 'deepspeed', 'transformers', 'accelerate')}\n"
+            "cuda = torch.version.cuda\n"
+            "found['torch'] += f' (CUDA {cuda} build)' if cuda else '' if '+cpu' in found['torch'] else ' (CPU)'\n"
+            "print(json.dumps(found))")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, env=_env(python))
     return json.loads(done.stdout)
 
 
@@ -236,6 +283,8 @@ def check_refused(python: str) -> dict:
 def cell(result: dict | None) -> str:
     if result is None:
         return "-"
+    if result.get("setup"):
+        return "not installable (below the table)"
     counts = f"{result['passed']} passed" + (f", {result['failed']} failed" if result["failed"] else "") + \
         (f", {result['skipped']} skipped" if result["skipped"] else "")
     if result.get("refused"):
@@ -244,10 +293,11 @@ def cell(result: dict | None) -> str:
 
 
 def table(rows: list, subsets: list) -> str:
-    lines = ["| stack | deepspeed / transformers / accelerate | " + " | ".join(subsets) + " |",
+    lines = ["| stack | torch / deepspeed / transformers / accelerate | " + " | ".join(subsets) + " |",
              "|" + " --- |" * (len(subsets) + 2)]
     for stack, versions, results in rows:
-        found = f"{versions['deepspeed']} / {versions['transformers']} / {versions['accelerate']}"
+        found = " / ".join(versions.get(p, "not installed") for p in ("torch", "deepspeed", "transformers",
+                                                                       "accelerate"))
         lines.append(f"| {stack.name} | {found} | " + " | ".join(cell(results.get(s)) for s in subsets) + " |")
     return "\n".join(lines)
 
@@ -257,21 +307,37 @@ def main(argv=None) -> int:
     parser.add_argument("--venv-root", default=os.path.expanduser("~/.cache/ds_odc_matrix"),
                         help="where the per-stack virtual environments live (outside the checkout)")
     parser.add_argument("--only", action="append", default=[], help="stacks whose name contains this (repeatable)")
+    parser.add_argument("--torch", action="append", default=[], metavar="RELEASE",
+                        help="only the torch axis, on these torch releases (repeatable; any release pip can install)")
+    parser.add_argument("--torch-index", default="", metavar="URL",
+                        help="the index torch is installed from (default: pip's configured indexes)")
     parser.add_argument("--subset", action="append", default=[], choices=[*SUBSETS, REFUSED],
                         help="run only these subsets (repeatable)")
     parser.add_argument("--timeout-s", type=int, default=1200, help="bound on one subset's pytest run")
     parser.add_argument("--setup-only", action="store_true", help="build the environments and stop")
     args = parser.parse_args(argv)
-    stacks = [s for s in STACKS if not args.only or any(o in s.name for o in args.only)]
-    pythons = {stack.name: ensure_env(stack, args.venv_root) for stack in stacks}
+    stacks = [torch_stack(release) for release in args.torch] if args.torch else STACKS
+    stacks = [s for s in stacks if not args.only or any(o in s.name for o in args.only)]
+    pythons, unmade = {}, {}  # stack name -> its python; -> why its environment could not be made
+    for stack in stacks:
+        try:
+            pythons[stack.name] = ensure_env(stack, args.venv_root, args.torch_index)
+        except SetupFailed as err:
+            unmade[stack.name] = str(err)
+            print(f"{stack.name}: its environment could not be made: {err}", flush=True)
     for python in dict.fromkeys(pythons.values()):
         build_operators(python)
     if args.setup_only:
-        return 0
+        return 1 if unmade else 0
     started = datetime.datetime.now(datetime.timezone.utc)
     rows, cache = [], {}  # (venv, subset) -> result: two stacks on one environment run a subset once
     with tempfile.TemporaryDirectory(prefix="ds_odc_matrix_") as work:
         for stack in stacks:
+            if stack.name in unmade:
+                failed_setup = {"setup": unmade[stack.name], "ok": False}
+                rows.append((stack, {}, {s: failed_setup for s in stack.subsets
+                                         if not args.subset or s in args.subset}))
+                continue
             python, results = pythons[stack.name], {}
             for subset in stack.subsets:
                 if args.subset and subset not in args.subset:
@@ -292,8 +358,10 @@ def main(argv=None) -> int:
             rows.append((stack, installed(python), results))
     subsets = [s for s in [*SUBSETS, REFUSED] if any(s in results for _, _, results in rows)]
     command = " ".join(["python", "tests/compat/run_version_matrix.py", *map(shlex.quote, argv or sys.argv[1:])])
-    print(f"\n`{command}`, {started:%Y-%m-%d}, Python {platform.python_version()}, {TORCH}, CPU (gloo, 2 ranks)\n")
+    print(f"\n`{command}`, {started:%Y-%m-%d}, Python {platform.python_version()}, CPU (gloo, 2 ranks)\n")
     print(table(rows, subsets))
+    for name, why in unmade.items():
+        print(f"\n{name}: not installable:\n{why}")
     failed = [(stack.name, s) for stack, _, results in rows for s, r in results.items() if not r["ok"]]
     print(f"\n{sum(len(r) for _, _, r in rows) - len(failed)} of {sum(len(r) for _, _, r in rows)} cells pass"
           + (f"; failing: {failed}" if failed else ""))
