@@ -1,7 +1,7 @@
 """Where the step recorder listens, on ZeRO-3 and ODC engines alike (instance attributes only: no
 class is patched, so other engines in the process are untouched). The hooks are one
 :class:`~ds_odc.integration.patching.PatchSet` per engine, undone by the engine's ``destroy()`` (its line in
-``PROCESS_WIDE``, ``surface_table.py``); the recorder and its reports stay readable after it.
+``PROCESS_WIDE``, ``surface_process_wide.py``); the recorder and its reports stay readable after it.
 
 * ``engine.forward`` opens a micro-batch, ``engine.backward`` closes it (a torch-style
   ``loss.backward()`` micro-batch closes at the next forward or at the step);

@@ -15,7 +15,7 @@ ZeRO-3's coordinator (hooks, prefetch, release) is kept as it is. What changes:
 
 Both go through :mod:`ds_odc.integration.patching` (one :class:`PatchSet` for the parameters' closures,
 one for the coordinators' ``reset_step``), so ZeRO-3's own closures are kept aside there, not on the
-parameters, and the engine's ``destroy()`` puts every one back (``PROCESS_WIDE`` in ``surface_table.py``).
+parameters, and the engine's ``destroy()`` puts every one back (``PROCESS_WIDE`` in ``surface_process_wide.py``).
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ The cache is ``$DS_ODC_SDIST_CACHE``, else ``~/.cache/ds_odc/sdists``: the sdist
 release list (``<package>.releases.json``, refreshed after a day), under ``src/`` the files unpacked so far with a
 manifest of every file of each sdist (so a file a release lacks is known without reopening it), and under
 ``verdicts/`` each release's verdict per entry: an sdist never changes, so an entry is read from it again only when
-the entry or the checker (``surface.py``, ``versions.py``) changed. A fresh
-machine downloads what it lacks; an offline one with a warm cache works from it, and without a cached list from
-:data:`PINNED` (the releases as they were listed when it was written).
+the entry or the checker (``surface.py``, ``surface_rules.py``, ``surface_source.py``, ``versions.py``) changed. A
+fresh machine downloads what it lacks; an offline one with a warm cache works from it, and without a cached list
+from :data:`PINNED` (the releases as they were listed when it was written).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import urllib.request
 
 from packaging.version import InvalidVersion, Version
 
-from ds_odc.integration import surface, versions
+from ds_odc.integration import surface, surface_rules, surface_source, versions
 from ds_odc.integration.surface import SURFACE, PrivateName, check_source
 from ds_odc.integration.versions import DEEPSPEED_RANGE, TESTED_HF, release
 
@@ -231,7 +231,8 @@ def _fingerprint(text: str) -> str:
 def check_release(found: Release, entries: tuple[PrivateName, ...] = SURFACE) -> list[PrivateName]:
     """:func:`~ds_odc.integration.surface.check_source` of ``found``'s sdist: the entries of its package that hold
     there and are missing. Verdicts already reached for the same entry by the same checker are reused."""
-    checker = _fingerprint("".join(open(module.__file__, encoding="utf-8").read() for module in (surface, versions)))
+    checker = _fingerprint("".join(open(module.__file__, encoding="utf-8").read()
+                                   for module in (surface, surface_rules, surface_source, versions)))
     path = os.path.join(cache_dir(), "verdicts", f"{found.filename}.json")
     memo = {}
     if os.path.exists(path):

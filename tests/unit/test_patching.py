@@ -185,4 +185,4 @@ def test_every_file_that_patches_or_changes_the_process_has_a_process_wide_line(
                 patching.append(os.path.relpath(path, root))
     assert len(patching) >= 10, f"the pattern no longer finds the files known to patch: {patching}"
     unlisted = [path for path in patching if path not in named]
-    assert not unlisted, f"add a PROCESS_WIDE line (ds_odc/integration/surface_table.py) for: {unlisted}"
+    assert not unlisted, f"add a PROCESS_WIDE line (ds_odc/integration/surface_process_wide.py) for: {unlisted}"

@@ -36,7 +36,7 @@ def test_every_surface_entry_is_in_the_source_of_the_release(found: Release, ori
     assert not missing, f"{found.label} ({found.filename}, release list from {origin}) lacks:\n" + "\n".join(
         f"  - {entry.describe()}: needed by {entry.used_by} ({entry.why})"
         + (f" [feature: {entry.feature.name}]" if entry.feature else "") for entry in missing) + \
-        "\nGive the entry the releases it holds on (a Change in ds_odc/integration/surface_table.py, since= / " \
+        "\nGive the entry the releases it holds on (a Change in ds_odc/integration/surface_releases.py, since= / " \
         "before=), or refuse the feature that needs it on that release (its Feature's since=)."
 
 

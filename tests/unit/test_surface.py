@@ -240,7 +240,7 @@ def test_every_name_mangled_deepspeed_name_used_under_ds_odc_is_listed():
             for name in re.findall(r"\b_DeepSpeed\w*?__[A-Za-z]\w*", text)}
     assert used, "the pattern no longer finds the mangled names ds_odc is known to use"
     unlisted = sorted(f"{name} ({path})" for path, name in used if name not in listed)
-    assert not unlisted, f"add these to SURFACE in ds_odc/integration/surface_table.py: {unlisted}"
+    assert not unlisted, f"add these to SURFACE (ds_odc/integration/surface_deepspeed.py): {unlisted}"
 
 
 def test_every_entry_names_the_ds_odc_files_that_use_it():
@@ -260,7 +260,7 @@ def test_every_entry_names_the_ds_odc_files_that_use_it():
                     rf"(?<!\w){re.escape(entry.name)}(?!\w)"
             if not re.search(word, text):
                 stale.append(f"{entry.describe()} not in {path}")
-    assert not stale, "update SURFACE in ds_odc/integration/surface_table.py:\n" + "\n".join(stale)
+    assert not stale, "update SURFACE (ds_odc/integration/surface_deepspeed.py, surface_hf.py):\n" + "\n".join(stale)
 
 
 def test_entries_are_unique_and_source_checks_say_where_to_look():
@@ -522,19 +522,20 @@ def test_the_source_rule_for_call_time_lookups_sees_every_name_co_names_holds():
     import ast
     import inspect
 
-    from ds_odc.integration.surface import _as_written_in, _looked_up
+    from ds_odc.integration.surface_rules import as_written_in
+    from ds_odc.integration.surface_source import _looked_up
 
     unseen, checked = [], 0
     for module, cls in ((ds_engine, "DeepSpeedEngine"), (ds_stage3, "DeepSpeedZeroOptimizer_Stage3")):
         tree = ast.parse(open(module.__file__, encoding="utf-8").read())
         (classdef,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
         for node in classdef.body:
-            function = getattr(getattr(module, cls), _as_written_in(None, node.name), None) \
+            function = getattr(getattr(module, cls), as_written_in(None, node.name), None) \
                 if isinstance(node, ast.FunctionDef) else None
             function = inspect.unwrap(getattr(function, "__func__", function)) if function else None
             if function is None or getattr(function, "__name__", None) != node.name:
                 continue  # a property, or a decorator that hides what it wraps
             checked += 1
-            names = {_as_written_in(cls, name) for name in function.__code__.co_names}
+            names = {as_written_in(cls, name) for name in function.__code__.co_names}
             unseen += [f"{cls}.{node.name}: {name}" for name in names - _looked_up(node)]
     assert checked > 100 and not unseen, unseen
