@@ -286,6 +286,50 @@ def test_every_change_is_inside_the_range_named_by_its_constant_and_has_entries(
     assert all(e.feature in FEATURES + (None,) for e in SURFACE)
 
 
+@pytest.fixture
+def pretend_deepspeed(monkeypatch):
+    """``pretend_deepspeed(version)``: the installed DeepSpeed reads as ``version`` for the rest of the test
+    (``installed_version`` reads a release once per process: its cache is forgotten then, and after the test)."""
+
+    def pretend(version: str) -> None:
+        monkeypatch.setattr(deepspeed, "__version__", version)
+        surface.installed_version.cache_clear()
+
+    yield pretend
+    surface.installed_version.cache_clear()
+
+
+def test_has_reads_the_installed_release_once_and_compares_each_release_once(monkeypatch):
+    """has() is asked per gradient and per bucket: the installed release of each package is read once, and each
+    (release, change) comparison made once, however often it is asked; an explicit version is answered as asked,
+    reading nothing installed."""
+    from ds_odc.integration import versions
+
+    reads, parsed = [], []
+    read, release = surface._read_version, versions.release
+    monkeypatch.setattr(surface, "_read_version", lambda package: reads.append(package) or read(package))
+    monkeypatch.setattr(versions, "release", lambda version: parsed.append(version) or release(version))
+    surface.installed_version.cache_clear()
+    surface._at_least.cache_clear()
+    try:
+        answers = {has(surface_table.NORM_DTYPE) for _ in range(1000)}
+        assert answers == {release(deepspeed.__version__) >= Version(surface_table.NORM_DTYPE.release)}
+        assert reads == ["deepspeed"] and parsed == [deepspeed.__version__]
+        assert {has(surface_table.TRAINER_RUN_EPOCH) for _ in range(1000)} == \
+            {release(read("transformers")) >= Version(surface_table.TRAINER_RUN_EPOCH.release)}
+        assert reads == ["deepspeed", "transformers"] and len(parsed) == 2
+        for change, version, newer in ((surface_table.NORM_DTYPE, "0.19.5", False),
+                                       (surface_table.NORM_DTYPE, "0.19.6", True),
+                                       (surface_table.NORM_DTYPE, "0.19.6+cu130", True),
+                                       (surface_table.TRAINER_RUN_EPOCH, "5.2.0", False),
+                                       (surface_table.TRAINER_RUN_EPOCH, "5.3.0.dev0", True)):
+            assert [has(change, version) for _ in range(100)] == [newer] * 100, (change.key, version)
+        assert reads == ["deepspeed", "transformers"] and len(parsed) == 7
+    finally:
+        surface.installed_version.cache_clear()
+        surface._at_least.cache_clear()
+
+
 def test_an_entry_holds_from_or_before_the_release_of_its_change():
     change = Change("X", "0.19.4", "newer", "older")
     newer = PrivateName("deepspeed", None, "x", Kind.MODULE_ATTRIBUTE, HERE, "test", since=change)
@@ -297,12 +341,12 @@ def test_an_entry_holds_from_or_before_the_release_of_its_change():
     assert newer.releases == "deepspeed>=0.19.4" and older.releases == "deepspeed<0.19.4"
 
 
-def test_each_release_is_held_to_its_own_form(monkeypatch):
+def test_each_release_is_held_to_its_own_form(pretend_deepspeed):
     """The installed DeepSpeed as if it were a release on the other side of NORM_DTYPE: the other side's forms
     are looked for, and those it does not have are reported (named with the releases they hold for); the
     installed side's forms are not looked for."""
     newer = has(surface_table.NORM_DTYPE)
-    monkeypatch.setattr(deepspeed, "__version__", "0.18.0" if newer else DEEPSPEED_RANGE[1])
+    pretend_deepspeed("0.18.0" if newer else DEEPSPEED_RANGE[1])
     missing = check_surface()
     assert missing and all((e.before if newer else e.since) is not None for e in missing), \
         [e.describe() for e in missing]
@@ -326,8 +370,8 @@ def test_a_release_outside_the_range_is_refused_by_name(version):
         check_deepspeed_version(version)
 
 
-def test_registering_ds_odc_refuses_a_release_outside_the_range(monkeypatch):
-    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+def test_registering_ds_odc_refuses_a_release_outside_the_range(monkeypatch, pretend_deepspeed):
+    pretend_deepspeed("0.20.0")
     monkeypatch.setattr(surface, "check_surface", lambda include_hf=False: [])  # as if every name were there
     with pytest.raises(ImportError, match="found 0.20.0"):
         register()
@@ -352,10 +396,10 @@ def test_a_missing_feature_name_leaves_import_alone_and_refuses_that_feature_by_
 
 
 @pytest.mark.parametrize("version", ["0.18.0", "0.18.1"])
-def test_the_split_policy_is_refused_by_name_at_enable_on_a_release_before_its_since(monkeypatch, version):
+def test_the_split_policy_is_refused_by_name_at_enable_on_a_release_before_its_since(pretend_deepspeed, version):
     """DeepSpeed 0.18.0/0.18.1's Ulysses requires local_seq_length and global_seq_length, which the split policy
     does not pass: refused by name, with the release, before anything is built (enable's first call)."""
-    monkeypatch.setattr(deepspeed, "__version__", version)
+    pretend_deepspeed(version)
     with pytest.raises(ODCConfigError, match=rf"balance policy 'lb-mini-split' needs deepspeed>=0\.18\.2 .*found "
                                              rf"deepspeed {re.escape(version)}.*everything else works"):
         split_attention.enable(engine=None, runtime=None, balance=None, timeout_s=1.0)
