@@ -17,6 +17,8 @@ What each check proves, by :class:`Kind` (nothing is called, no instance is buil
 * module attribute, method, class attribute: ``getattr`` on the imported module or class finds it
   (a method: and it is callable). Not its signature, nor what it does.
 * dataclass field: ``name`` is one of ``dataclasses.fields(cls)``.
+* typed dict key: ``cls`` is a ``TypedDict`` and ``name`` one of its keys (required or not, its bases' included):
+  a keyword transformers passes through ``**kwargs`` and declares there. Not what a function does with it.
 * instance attribute: ``self.<name> =`` (or ``self.<name>: T =``) is in the source of the method
   ``found_in`` of the class, so that method assigns it, at least on some path. ``hasattr`` on the
   class cannot see such attributes. Name-mangled names are searched as the class writes them
@@ -73,6 +75,7 @@ import inspect
 import linecache
 import os
 import types
+import typing
 
 from ds_odc.integration.surface_rules import accepts, found_in_of, in_source
 from ds_odc.integration.surface_source import check_source
@@ -192,6 +195,8 @@ def _present(entry: PrivateName, cache: dict) -> bool:
             return callable(getattr(owner, entry.name, None))
         if kind is Kind.DATACLASS_FIELD:
             return dataclasses.is_dataclass(owner) and entry.name in {f.name for f in dataclasses.fields(owner)}
+        if kind is Kind.TYPED_DICT_KEY:
+            return typing.is_typeddict(owner) and entry.name in owner.__required_keys__ | owner.__optional_keys__
         if kind is Kind.CALL_TIME_LOOKUP:
             return entry.name in _code(getattr(owner, found_in_of(entry)), found_in_of(entry)).co_names
         if kind is Kind.SIGNATURE:

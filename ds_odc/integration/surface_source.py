@@ -6,9 +6,10 @@ transformers or accelerate to the surface table without installing or importing 
 Each kind is checked on the syntax tree (``ast``) of the module that defines the owner: a module attribute is a
 top-level definition, assignment or import of the name in the module file (``if``/``try`` blocks included;
 ``from x import *`` and re-exports followed into the package); a method or class attribute is defined in the class
-body, a dataclass field is annotated there (in a ``@dataclass`` class), and ``found_in`` is a function of the class
-body; each is looked up in the class's bases too when the class body lacks it (bases the package defines;
-``getattr`` does the same on the imported class). The rules that read source text (instance and parameter
+body, a dataclass field is annotated there (in a ``@dataclass`` class), a typed dict key is annotated there (as a
+TypedDict declares its keys), and ``found_in`` is a function of the class body; each but a dataclass field is looked
+up in the class's bases too when the class body lacks it (bases the package defines; ``getattr`` does the same on
+the imported class, and a TypedDict holds its bases' keys). The rules that read source text (instance and parameter
 attributes, checkpoint keys, text, file names) and the call signature rule are the ones the import-time check
 applies, stated once in :mod:`ds_odc.integration.surface_rules`. A call-time lookup is a name the function itself
 reads as a global, an attribute or an import (not its parameters and locals, not nested functions): what
@@ -57,6 +58,11 @@ def _bound(node) -> list[str]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return [(alias.asname or alias.name).split(".")[0] for alias in node.names if alias.name != "*"]
     return []
+
+
+def _annotated(node) -> list[str]:
+    """The name a statement of a class body annotates (``x: int``, with a value or without): a TypedDict's key."""
+    return [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else []
 
 
 class _SourceTree:
@@ -136,10 +142,12 @@ class _SourceTree:
                 return None
         return where, node
 
-    def member(self, module: str, classdef: ast.ClassDef, name: str, seen: int = 0):
+    def member(self, module: str, classdef: ast.ClassDef, name: str, seen: int = 0,
+               binds: Callable[[ast.AST], list[str]] = _bound):
         """``(module, statement)``: the statement of ``classdef``'s body that binds ``name``, or of the body of a
-        base the release defines (as ``getattr`` finds it on the imported class), or None."""
-        node = next((n for n in reversed(_body(classdef.body)) if name in _bound(n)), None)
+        base the release defines (as ``getattr`` finds it on the imported class), or None. ``binds``: the names a
+        statement binds (:func:`_annotated`: the keys a TypedDict's body declares)."""
+        node = next((n for n in reversed(_body(classdef.body)) if name in binds(n)), None)
         if node is not None:
             return module, node
         for base in classdef.bases if seen < 8 else ():
@@ -147,7 +155,7 @@ class _SourceTree:
             imported = self.resolve(module, path[0]) if len(path) > 1 else None  # module.Class, as this file has it
             hit = self.cls(module, path[0]) if len(path) == 1 else \
                 self.cls(imported[0], path[-1]) if imported else None
-            found = self.member(hit[0], hit[1], name, seen + 1) if hit else None
+            found = self.member(hit[0], hit[1], name, seen + 1, binds) if hit else None
             if found is not None:
                 return found
         return None
@@ -227,6 +235,8 @@ def _present_in_source(entry: PrivateName, tree: _SourceTree, cache: dict) -> bo
         where, classdef = owner
         if kind in (Kind.METHOD, Kind.CLASS_ATTRIBUTE):
             return tree.member(where, classdef, as_written_in(entry.cls, entry.name)) is not None
+        if kind is Kind.TYPED_DICT_KEY:
+            return tree.member(where, classdef, entry.name, binds=_annotated) is not None
         if kind is Kind.DATACLASS_FIELD:
             return _is_dataclass(classdef) and any(
                 isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == entry.name and

@@ -14,6 +14,7 @@ class Kind(enum.Enum):
     METHOD = "method"
     CLASS_ATTRIBUTE = "class attribute"
     DATACLASS_FIELD = "dataclass field"
+    TYPED_DICT_KEY = "typed dict key"
     INSTANCE_ATTRIBUTE = "instance attribute"
     PARAMETER_ATTRIBUTE = "parameter attribute"
     CALL_TIME_LOOKUP = "looked up at call time"

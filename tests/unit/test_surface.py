@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import TypedDict
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine
@@ -154,6 +155,20 @@ class _ZeroLike:
         return attn, batch_size, process_group
 
 
+class _Offsets(TypedDict, total=False):
+    cu_seq_lens: list
+
+
+class _Kwargs(_Offsets, total=False):
+    """Stands in for transformers' FlashAttentionKwargs (a TypedDict: ``hasattr`` sees none of its keys)."""
+    max_length: int
+
+
+class _KwargsRenamed(TypedDict, total=False):
+    cu_seq_lengths: list
+    max_len: int
+
+
 @dataclasses.dataclass
 class _BucketRenamed:
     tensors: list = dataclasses.field(default_factory=list)
@@ -190,6 +205,8 @@ _RENAMED_ENTRIES = [
     (Kind.METHOD, "_ZeroLike", "reduce_ipg_grads", None),
     (Kind.CLASS_ATTRIBUTE, "_ZeroLike", "STATUS", None),
     (Kind.DATACLASS_FIELD, "_Bucket", "params", None),
+    (Kind.TYPED_DICT_KEY, "_Kwargs", "max_length", None),
+    (Kind.TYPED_DICT_KEY, "_Kwargs", "cu_seq_lens", None),  # a base's key
     (Kind.INSTANCE_ATTRIBUTE, "_ZeroLike", "lp_buffer", "__init__"),
     (Kind.INSTANCE_ATTRIBUTE, "_ZeroLike", "_ZeroLike__grads", "__init__"),
     (Kind.PARAMETER_ATTRIBUTE, "_ZeroLike", "ds_id", "convert"),
@@ -209,7 +226,8 @@ def test_every_kind_of_check_finds_the_name_and_reports_it_once_renamed(monkeypa
     if cls is None:
         monkeypatch.delattr(module, name)
     else:
-        monkeypatch.setattr(module, cls, {"_ZeroLike": _ZeroLikeRenamed, "_Bucket": _BucketRenamed}[cls])
+        monkeypatch.setattr(module, cls, {"_ZeroLike": _ZeroLikeRenamed, "_Bucket": _BucketRenamed,
+                                          "_Kwargs": _KwargsRenamed}[cls])
     assert check_surface(entries=(entry,)) == [entry]
     assert name in surface.format_missing([entry])
 
@@ -423,6 +441,7 @@ _TREE = {  # a package as a release ships it
     "fakeds/base.py": "class Base:\n    def save(self):\n        return dict(frozen_shapes=1)\n",
     "fakeds/engine.py": """import dataclasses
 from dataclasses import dataclass
+from typing import TypedDict
 from .base import Base
 try:
     from fast import helper
@@ -461,6 +480,14 @@ Alias = Engine
 @dataclasses.dataclass
 class Bucket:
     params: list
+
+
+class Offsets(TypedDict, total=False):
+    offsets: list
+
+
+class Kwargs(Offsets, total=False):
+    max_length: int
 """,
     "fakeds/ops/shm.cpp": 'const char* name = "deepspeed_allreduce_buffer";\n',
 }
@@ -475,6 +502,8 @@ _FROM_SOURCE = [
     ("fakeds.engine", "Engine", "_Engine__reduce_grads", Kind.METHOD, None),  # name-mangled
     ("fakeds.engine", "Engine", "save", Kind.METHOD, None),  # a base's, in another file
     ("fakeds.engine", "Bucket", "params", Kind.DATACLASS_FIELD, None),
+    ("fakeds.engine", "Kwargs", "max_length", Kind.TYPED_DICT_KEY, None),
+    ("fakeds.engine", "Kwargs", "offsets", Kind.TYPED_DICT_KEY, None),  # a base's key
     ("fakeds.engine", "Engine", "lp_buffer", Kind.INSTANCE_ATTRIBUTE, "__init__"),
     ("fakeds.engine", "Engine", "_Engine__grads", Kind.INSTANCE_ATTRIBUTE, "__init__"),
     ("fakeds.engine", "Engine", "ds_id", Kind.PARAMETER_ATTRIBUTE, "convert"),
@@ -491,7 +520,8 @@ _RENAMED = {  # each of the names above, gone in a later release
 }
 _REWRITTEN_ENGINE = [("import initialize as init", ""), ("helper", "helper2"), ("STATUS", "STATUS2"),
                      ("KEY", "KEY2"), ("convert", "convert2"), ("__reduce_grads", "__reduce"), ("save", "save"),
-                     ("params: list", "params = []"), ("self.lp_buffer", "self.lp_buffer.x"),
+                     ("params: list", "params = []"), ("max_length: int", "max_len: int"),
+                     ("offsets: list", "offset_list: list"), ("self.lp_buffer", "self.lp_buffer.x"),
                      ("self.__grads:", "grads:"), ("param.ds_id", "param.ds_index"),
                      ("engine = Engine()", "engine = object()"), ('"zero_pp_rank_"', '"rank_"'),
                      ("attn, batch_size, process_group=None, **_", "attn, batch_size, seq_length, process_group=None")]
