@@ -181,18 +181,28 @@ def _env(python: str) -> dict:
     return env
 
 
+#: DeepSpeed's JIT-built CPU operators the subsets use (the offload_states tests' Adam is FusedAdam)
+DEEPSPEED_OPERATORS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder"}
+
+
 def build_operators(python: str) -> None:
-    """Build DeepSpeed's CPU communication operator in the environment's extensions directory before any test runs.
-    Its ranks would otherwise build it on first use, inside a test's hang timeout on a loaded machine: a build killed
-    there leaves its lock behind, and every later rank of that environment waits on the lock until its test times
-    out. A lock found here, with no operator built, is such a leftover (this runner is the directory's only user)."""
-    build = os.path.join(_env(python)["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm")
-    lock = os.path.join(build, "lock")
-    if os.path.exists(lock) and not any(name.endswith(".so") for name in os.listdir(build)):
-        print(f"removing the lock a killed build left in {build}", flush=True)
-        os.remove(lock)
-    code = "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
-    subprocess.run([python, "-c", code], env=_env(python), check=True, capture_output=True, timeout=1800)
+    """Build DeepSpeed's CPU communication operator and FusedAdam, and ds_odc's memory-ordering operator, in the
+    environment's extensions directory before any test runs. Ranks would otherwise build them on first use, inside
+    a test's hang timeout on a loaded machine: a build killed there leaves its lock behind, and every later rank of
+    that environment waits on the lock until its test times out. A lock found here, with no operator built, is such
+    a leftover (this runner is the directory's only user)."""
+    for name in DEEPSPEED_OPERATORS:
+        build = os.path.join(_env(python)["TORCH_EXTENSIONS_DIR"], name)
+        lock = os.path.join(build, "lock")
+        if os.path.exists(lock) and not any(entry.endswith(".so") for entry in os.listdir(build)):
+            print(f"removing the lock a killed build left in {build}", flush=True)
+            os.remove(lock)
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from deepspeed.accelerator import get_accelerator\n"
+            "for builder in sys.argv[2:]:\n    assert get_accelerator().create_op_builder(builder).load() is not None\n"
+            "from ds_odc.ops_builder import ATOMICS, load_op\nload_op(ATOMICS)\n")
+    subprocess.run([python, "-c", code, CHECKOUT, *DEEPSPEED_OPERATORS.values()], env=_env(python), check=True,
+                   capture_output=True, timeout=1800)
 
 
 def installed(python: str) -> dict:
