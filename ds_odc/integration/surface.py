@@ -37,8 +37,8 @@ What each check proves, by :class:`Kind` (nothing is called, no instance is buil
 
 Per release: an entry with ``since=`` / ``before=`` a :class:`Change` holds only on the DeepSpeed releases from /
 before that change's release, and is checked only there, so each supported release is held to its own form
-(``releases`` says which); likewise for transformers within its tested range. :func:`has` tells adapter code which
-side of a change the installed release is on.
+(``releases`` says which); likewise for transformers and accelerate within their tested ranges. :func:`has` tells
+adapter code which side of a change the installed release is on.
 
 Per feature: an entry with ``feature=`` a :class:`Feature` is needed by that feature only (the split policy's
 Ulysses attention, say). :func:`assert_surface` skips it; the feature calls :func:`require_feature` when a job asks

@@ -9,8 +9,27 @@ so these entries are checked only on request (``check_surface(include_hf=True)``
 feature that needs them, and by the unit tests against the pinned and the declared releases."""
 from __future__ import annotations
 
-from ds_odc.integration.surface_releases import SPLIT_POLICY, TRAINER_RUN_EPOCH
-from ds_odc.integration.surface_types import BALANCE, COST, HF, LOADER, SPLIT, TRAINER, Kind, PrivateName
+from ds_odc.integration.surface_releases import (
+    ACCELERATE_ULYSSES_LOADER,
+    SPLIT_POLICY,
+    TRAINER_RUN_EPOCH,
+    TRAINER_SEQUENCE_PARALLEL,
+)
+from ds_odc.integration.surface_types import (
+    BALANCE,
+    COST,
+    HF,
+    HF_METRICS,
+    HF_SP,
+    LOADER,
+    PACKED,
+    SPLIT,
+    TRAINER,
+    Kind,
+    PrivateName,
+)
+
+_FLASH_KWARGS = ("transformers.modeling_flash_attention_utils", "FlashAttentionKwargs")
 
 #: Packages ds_odc works without; their entries are checked only on request (see :mod:`ds_odc.integration.surface`).
 OPTIONAL_PACKAGES = ("accelerate", "transformers")
@@ -48,6 +67,9 @@ HF_SURFACE: tuple[PrivateName, ...] = (
                 "replays the sharding for every rank", found_in="__init__"),
     PrivateName("accelerate.data_loader", "BatchSamplerShard", "even_batches", Kind.INSTANCE_ATTRIBUTE, LOADER,
                 "replays the sharding for every rank", found_in="__init__"),
+    PrivateName("accelerate.accelerator", "Accelerator", "deepspeed_ulysses_dl_adapter", Kind.METHOD, HF_SP,
+                "bound on a balance Trainer's accelerator under SP: a planned loader, which already yields this "
+                "rank's slices, is left as it is", since=ACCELERATE_ULYSSES_LOADER),
     # -- transformers (optional) -------------------------------------------------------------------------
     PrivateName("transformers.trainer", "Trainer", "__init__", Kind.METHOD, TRAINER,
                 "the one class-level hook, once a config asks for odc: binds the Trainers that ask, per instance"),
@@ -69,6 +91,15 @@ HF_SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "current_gradient_accumulation_steps", Kind.INSTANCE_ATTRIBUTE,
                 BALANCE, "the divisor of a mean loss: the global micro-batch count over the world",
                 found_in="_run_epoch", since=TRAINER_RUN_EPOCH),
+    PrivateName("transformers.trainer", "Trainer", "log", Kind.METHOD, f"{TRAINER}, {HF_METRICS}",
+                "bound on every ODC Trainer: the ODC/... figures added to each training log (those with 'loss'), "
+                "so report_to shows them"),
+    PrivateName("transformers.trainer", "Trainer", "model_wrapped", Kind.INSTANCE_ATTRIBUTE, TRAINER,
+                "set back to the bare model when the inference engine evaluate() left is released: train() then "
+                "builds a training engine instead of reusing the wrapped one", found_in="__init__"),
+    PrivateName("transformers.trainer", "Trainer", "get_sp_size", Kind.METHOD, HF_SP,
+                "the SP group size the balance block places ranks by (read with getattr: renamed, every rank would "
+                "be placed as a group of one, silently)", since=TRAINER_SEQUENCE_PARALLEL),
     # -- split micro-batches (policy "lb-mini-split"): the attention hook ALST uses, in transformers -------------
     # Checked when a job asks for the policy (SPLIT_POLICY), not at import: another release lacking one of them
     # refuses this policy by name and runs everything else.
@@ -81,4 +112,30 @@ HF_SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.models.llama.modeling_llama", "LlamaAttention", "num_key_value_groups",
                 Kind.INSTANCE_ATTRIBUTE, SPLIT, "set by Ulysses when it replicates key/value heads; put back for "
                 "whole micro-batches", found_in="__init__", feature=SPLIT_POLICY),
+    PrivateName("transformers.trainer", "Trainer", "model_accepts_loss_kwargs", Kind.INSTANCE_ATTRIBUTE, LOADER,
+                "whether the model's loss takes num_items_in_batch: the split policy needs a loss normalised by the "
+                "step's token count (refused without it, or a compute_loss_func)", found_in="__init__",
+                feature=SPLIT_POLICY),
+    PrivateName("transformers.trainer", "Trainer", "compute_loss_func", Kind.INSTANCE_ATTRIBUTE, LOADER,
+                "the user's loss function, which is given num_items_in_batch", found_in="__init__",
+                feature=SPLIT_POLICY),
+    # packed samples attend each within itself, with each layer's own form (packed_attention's per-sample attention)
+    PrivateName("transformers.integrations.sdpa_attention", None, "sdpa_attention_forward", Kind.MODULE_ATTRIBUTE,
+                PACKED, "tells transformers' sdpa, which carries a sliding window only in the mask, from attentions "
+                "that take the window keyword: sdpa gets a window mask per sample", feature=SPLIT_POLICY),
+    PrivateName("transformers.models.mistral.modeling_mistral", "MistralAttention", "sliding_window=",
+                Kind.SOURCE_TEXT, PACKED, "the window reaches the attention function as a keyword, which the "
+                "per-sample attention applies to each sample (without it, every layer would attend over the whole "
+                "sample, silently)", found_in="forward", feature=SPLIT_POLICY),
+    PrivateName("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention", "sliding_window",
+                Kind.INSTANCE_ATTRIBUTE, PACKED, "each layer's window (None on full-attention layers), which its "
+                "forward passes as the keyword the per-sample attention applies", found_in="__init__",
+                feature=SPLIT_POLICY),
+    PrivateName("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention", "sliding_window=", Kind.SOURCE_TEXT,
+                PACKED, "the layer's window reaches the attention function as a keyword (without it, sliding layers "
+                "would attend over the whole sample, silently)", found_in="forward", feature=SPLIT_POLICY),
+    *(PrivateName(*_FLASH_KWARGS, key, Kind.TYPED_DICT_KEY, PACKED, "a varlen keyword of a packed sequence "
+                  "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)), cut to each sample: a flash attention "
+                  "would otherwise run every sample over the whole sequence's offsets", feature=SPLIT_POLICY)
+      for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")),
 )

@@ -44,9 +44,18 @@ TRAINER_RUN_EPOCH = Change("TRAINER_RUN_EPOCH", "5.3.0", "Trainer._run_epoch (wh
                            "steps is set) and Trainer._track_num_input_tokens", "both inline in _inner_training_loop: "
                            "the balance block (which binds them per Trainer) is refused by name; the odc stage itself "
                            "works", package="transformers")
+TRAINER_SEQUENCE_PARALLEL = Change("TRAINER_SEQUENCE_PARALLEL", "5.0.0", "Trainer.get_sp_size(): ALST's sequence "
+                                   "parallelism through accelerate's ParallelismConfig", "no sequence parallelism in "
+                                   "the Trainer: the balance block places each rank as a group of one",
+                                   package="transformers")
+#: accelerate, within its tested range
+ACCELERATE_ULYSSES_LOADER = Change("ACCELERATE_ULYSSES_LOADER", "1.12.0", "Accelerator.deepspeed_ulysses_dl_adapter, "
+                                   "which shards each batch over its sequence-parallel group (sp_backend "
+                                   "'deepspeed')", "no sequence parallelism in accelerate: the balance block never "
+                                   "binds the adapter", package="accelerate")
 CHANGES = (ULYSSES_VARIABLE_LENGTH, TORCH_STYLE_BACKWARD, LOAD_DS_CONFIG, ULYSSES_CORE_ATTN, COALESCE_GRAD_REDUCTION,
            CHECKPOINT_STATE, IPG_BUCKET_GROUP, MANAGED_ACCUMULATION, NORM_DTYPE, ALL_TO_ALL_GROUPS,
-           TRAINER_RUN_EPOCH)
+           TRAINER_SEQUENCE_PARALLEL, TRAINER_RUN_EPOCH, ACCELERATE_ULYSSES_LOADER)
 
 
 #: Long samples split over ranks (:mod:`ds_odc.integration.split_attention`).

@@ -21,6 +21,7 @@ from ds_odc.integration.surface_deepspeed import DEEPSPEED_SURFACE
 from ds_odc.integration.surface_hf import HF_SURFACE, OPTIONAL_PACKAGES
 from ds_odc.integration.surface_process_wide import PROCESS_WIDE
 from ds_odc.integration.surface_releases import (
+    ACCELERATE_ULYSSES_LOADER,
     ALL_TO_ALL_GROUPS,
     CHANGES,
     CHECKPOINT_STATE,
@@ -33,6 +34,7 @@ from ds_odc.integration.surface_releases import (
     SPLIT_POLICY,
     TORCH_STYLE_BACKWARD,
     TRAINER_RUN_EPOCH,
+    TRAINER_SEQUENCE_PARALLEL,
     ULYSSES_CORE_ATTN,
     ULYSSES_VARIABLE_LENGTH,
 )
@@ -44,6 +46,7 @@ SURFACE: tuple[PrivateName, ...] = DEEPSPEED_SURFACE + HF_SURFACE
 __all__ = ["SURFACE", "DEEPSPEED_SURFACE", "HF_SURFACE", "OPTIONAL_PACKAGES", "PROCESS_WIDE", "CHANGES", "FEATURES",
            "Change", "Feature", "Kind", "PrivateName", "ProcessWide",
            # the changes (surface_releases.CHANGES) and the features (FEATURES), by their constants
-           "ALL_TO_ALL_GROUPS", "CHECKPOINT_STATE", "COALESCE_GRAD_REDUCTION", "IPG_BUCKET_GROUP", "LOAD_DS_CONFIG",
-           "MANAGED_ACCUMULATION", "NORM_DTYPE", "TORCH_STYLE_BACKWARD", "TRAINER_RUN_EPOCH", "ULYSSES_CORE_ATTN",
-           "ULYSSES_VARIABLE_LENGTH", "SPLIT_POLICY"]
+           "ACCELERATE_ULYSSES_LOADER", "ALL_TO_ALL_GROUPS", "CHECKPOINT_STATE", "COALESCE_GRAD_REDUCTION",
+           "IPG_BUCKET_GROUP", "LOAD_DS_CONFIG", "MANAGED_ACCUMULATION", "NORM_DTYPE", "TORCH_STYLE_BACKWARD",
+           "TRAINER_RUN_EPOCH", "TRAINER_SEQUENCE_PARALLEL", "ULYSSES_CORE_ATTN", "ULYSSES_VARIABLE_LENGTH",
+           "SPLIT_POLICY"]

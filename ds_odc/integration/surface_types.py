@@ -119,4 +119,6 @@ TIMEOUTS, SHM = "ds_odc/integration/timeouts.py", "ds_odc/integration/clean_exit
 HF, TRAINER, ENGINE = "ds_odc/integration/hf.py", "ds_odc/integration/hf_trainer.py", "ds_odc/integration/engine.py"
 BALANCE, LOADER, COST = ("ds_odc/integration/hf_balance.py", "ds_odc/integration/hf_balance_loader.py",
                          "ds_odc/integration/hf_cost.py")
-SPLIT = "ds_odc/integration/split_attention.py"
+SPLIT, PACKED = "ds_odc/integration/split_attention.py", "ds_odc/integration/packed_attention.py"
+HF_SP = "ds_odc/integration/hf_sequence_parallel.py"
+PUBLISH, HF_METRICS = "ds_odc/integration/metrics_publish.py", "ds_odc/integration/hf_metrics.py"

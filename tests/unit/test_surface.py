@@ -271,8 +271,10 @@ def test_every_entry_names_the_ds_odc_files_that_use_it():
             text = sources.get(path, "")
             if entry.kind is Kind.SIGNATURE:  # the call the file makes: each keyword passed by name
                 word = "".join(rf"(?=[\s\S]*\b{re.escape(k.strip())}=)" for k in entry.name.split(","))
-            elif entry.kind is Kind.SOURCE_TEXT:  # a release's code, not a name: the file acts on the change
-                word = rf"\b{(entry.before or entry.since).key}\b"
+            elif entry.kind is Kind.SOURCE_TEXT and (entry.before or entry.since):  # a release's code, not a name:
+                word = rf"\b{(entry.before or entry.since).key}\b"  # the file acts on the change
+            elif entry.kind is Kind.SOURCE_TEXT:  # code every release has (a keyword it passes): each name in it
+                word = "".join(rf"(?=[\s\S]*\b{name}\b)" for name in re.findall(r"\w+", entry.name))
             else:
                 word = re.escape(entry.name) if entry.kind is Kind.FILE_NAME else \
                     rf"(?<!\w){re.escape(entry.name)}(?!\w)"
