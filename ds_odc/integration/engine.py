@@ -232,11 +232,8 @@ class ODCEngine(DeepSpeedEngine):
         """DeepSpeed's; under Ulysses sequence parallelism first the SP lockstep (:mod:`ds_odc.runtime.lockstep`:
         the ranks of one SP group run the same micro-batches), and under the micro-batch's activation-offload
         hooks when ``odc.activation_offload`` is set."""
-        lockstep = self._odc_lockstep()
-        if lockstep is not None:
-            lockstep.before_forward()
-        if self._odc is not None and self._odc.split is not None:
-            self._odc.split.note_forward(self.module.training)
+        engine_locksteps.before_forward(self._odc_lockstep(), self._odc.split if self._odc is not None else None,
+                                        self.module, kwargs, self.module.training)
         offload = self.odc_activation_offload
         with self._odc_collectives("forward"):
             if offload is None:

@@ -27,6 +27,7 @@ def attach(engine, runtime, balance, timeout_s: float
     registered as the process's newest; collective where the split policy creates its groups."""
     lockstep = sequence_parallel.lockstep_for(engine, runtime, timeout_s)
     if lockstep is not None:
+        sequence_parallel.refuse_lost_windows(engine.module)
         sequence_parallel.register(lockstep)
     if balance is None or balance.policy != SPLIT_POLICY:
         return lockstep, None
@@ -53,3 +54,15 @@ def lockstep_of(frozen: bool, lockstep: Optional[SequenceParallelLockstep],
     if frozen:
         return sequence_parallel.process_lockstep()
     return split.lockstep if split is not None else lockstep
+
+
+def before_forward(lockstep: Optional[sequence_parallel.Lockstep], split: Optional[split_attention.SplitRuntime],
+                   module, kwargs: dict, training: bool) -> None:
+    """What an engine's forward does before DeepSpeed's: under fixed SP the positions ALST cannot keep apart are
+    refused, then the lockstep; inside a split micro-batch, the forward noted for its backward."""
+    if isinstance(lockstep, SequenceParallelLockstep):
+        sequence_parallel.refuse_lost_positions(lockstep, module, kwargs)
+    if lockstep is not None:
+        lockstep.before_forward()
+    if split is not None:
+        split.note_forward(training)

@@ -100,14 +100,15 @@ HF_SURFACE: tuple[PrivateName, ...] = (
     PrivateName("transformers.trainer", "Trainer", "get_sp_size", Kind.METHOD, HF_SP,
                 "the SP group size the balance block places ranks by (read with getattr: renamed, every rank would "
                 "be placed as a group of one, silently)", since=TRAINER_SEQUENCE_PARALLEL),
+    PrivateName("transformers.configuration_utils", "PretrainedConfig", "_attn_implementation",
+                Kind.CLASS_ATTRIBUTE, f"{SPLIT}, ds_odc/integration/sequence_parallel.py",
+                "which attention implementation the model calls (the entry the split policy hooks; under fixed SP, "
+                "whether it can keep samples and windows apart without the mask ALST drops)"),
     # -- split micro-batches (policy "lb-mini-split"): the attention hook ALST uses, in transformers -------------
     # Checked when a job asks for the policy (SPLIT_POLICY), not at import: another release lacking one of them
     # refuses this policy by name and runs everything else.
     PrivateName("transformers.modeling_utils", None, "ALL_ATTENTION_FUNCTIONS", Kind.MODULE_ATTRIBUTE, SPLIT,
                 "the hook ALST uses: the model's attention implementation replaced by the split dispatcher",
-                feature=SPLIT_POLICY),
-    PrivateName("transformers.configuration_utils", "PretrainedConfig", "_attn_implementation",
-                Kind.CLASS_ATTRIBUTE, SPLIT, "which attention implementation the model calls (the entry hooked)",
                 feature=SPLIT_POLICY),
     PrivateName("transformers.models.llama.modeling_llama", "LlamaAttention", "num_key_value_groups",
                 Kind.INSTANCE_ATTRIBUTE, SPLIT, "set by Ulysses when it replicates key/value heads; put back for "

@@ -90,3 +90,19 @@ def test_outside_the_sp_groups_no_collective_per_micro_batch_and_none_per_step()
         assert all(inside > 0 and outside == 0 for inside, outside in odc[rank]["fwd_bwd"]), odc[rank]
         assert odc[rank]["step"] == [(0, 0)] * 2, odc[rank]
         assert all(outside > 0 for _, outside in zero3[rank]["fwd_bwd"]), zero3[rank]
+
+
+def test_attention_forms_alst_would_drop_are_refused_by_name_on_every_rank():
+    """ALST runs sdpa without the model's mask: a sliding window, or samples packed into one sequence, would be
+    attended over in full, silently (on ZeRO-3 too). The sliding window is refused at initialize; packed samples at
+    the forward that has them, before any all-to-all, by the rank that sees the restart, and its partner names it."""
+    errors = run_ranks(sp.attention_forms_alst_drops, 2, timeout=240)
+    for rank in range(2):
+        assert errors[rank]["window"].startswith("ODCConfigError: fixed sequence parallelism (ALST's mpu) would "
+                                                 "lose the model's sliding window at every layer: sliding_window=4 "
+                                                 "with attn_implementation='sdpa'"), errors[rank]
+    for case, seen_by in (("boundary", 1), ("inside", 0)):
+        for rank in range(2):
+            assert f"rank {seen_by} of sequence-parallel group 0 (ranks 0, 1): this forward's position_ids restart " \
+                   "or skip" in errors[rank][case], (case, rank, errors[rank][case])
+        assert errors[seen_by][case].startswith("ODCConfigError"), errors[seen_by][case]

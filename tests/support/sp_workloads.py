@@ -398,3 +398,43 @@ def count_sp_collectives(stage, micro_batches: int = 2, steps: int = 2) -> dict:
         stepping.append(_grouped.take())
     engine.destroy()
     return {"fwd_bwd": fwd_bwd, "step": stepping}
+
+
+def attention_forms_alst_drops(timeout_s: float = 30.0) -> dict:
+    """Under fixed SP with sdpa (2 ranks, one group): a Mistral-style model with a sliding window, refused at
+    initialize; then a Llama fed packed samples: at the boundary between the members' slices (a sample starts at
+    rank 1's first token) and inside rank 0's slice. Returns each case's error on this rank."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import MistralConfig, MistralForCausalLM
+
+    errors = {}
+    torch.manual_seed(7)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=128, sliding_window=4,
+                                               attn_implementation="sdpa"))
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=mistral, core_attn_implementation="sdpa",
+                                                           sequence_parallel_size=SP, micro_batch_size=1)
+    try:
+        deepspeed.initialize(model=mistral, model_parameters=mistral.parameters(), mpu=mpu,
+                             config=ds_config("odc", odc={"timeout_s": timeout_s}))
+        errors["window"] = "no error"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        errors["window"] = f"{type(err).__name__}: {err}"
+    sp_rank = dist.get_rank() % SP
+    for case, positions in (("boundary", torch.cat([torch.arange(8), torch.arange(8)])),
+                            ("inside", torch.cat([torch.arange(3), torch.arange(13)]))):
+        llama = tiny_llama()  # the same attention shape: ALST's groups and wrapper (once per process) serve it too
+        engine, *_ = deepspeed.initialize(model=llama, model_parameters=llama.parameters(), mpu=mpu,
+                                          config=ds_config("odc", managed=False, odc={"timeout_s": timeout_s}))
+        ids, labels = sequence(0, 0, 0)
+        try:
+            logits = engine(input_ids=shard(ids, sp_rank), position_ids=shard(positions[None], sp_rank)).logits
+            engine.backward(logits.float().sum(), loss_tokens=1)
+            errors[case] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            errors[case] = f"{type(err).__name__}: {err}"
+        engine.destroy()
+    return errors
