@@ -56,11 +56,10 @@ from ds_odc.integration import (
     split_attention,
     zero3_frozen,
 )
+from ds_odc.integration.accumulation import UnmanagedAccumulation
 from ds_odc.integration.activation_offload import EngineOffload
 from ds_odc.integration.backward_rules import BackwardRule
 from ds_odc.integration.patching import swapped
-from ds_odc.integration.surface import has
-from ds_odc.integration.surface_table import MANAGED_ACCUMULATION
 from ds_odc.integration.timeouts import resolve_timeout_s
 from ds_odc.integration.zero3_optimizer import ODCStage3Optimizer
 from ds_odc.runtime import ODCRuntime, Phase, StepTotals
@@ -80,7 +79,7 @@ class _EngineState:
     activations: Optional[EngineOffload] = None  # odc.activation_offload: the forward's saved-tensor hooks
 
 
-class ODCEngine(DeepSpeedEngine):
+class ODCEngine(UnmanagedAccumulation, DeepSpeedEngine):
     """See the module docstring. Build it with ``deepspeed.initialize``, not directly."""
 
     _odc: Optional[_EngineState] = None
@@ -316,22 +315,6 @@ class ODCEngine(DeepSpeedEngine):
         return backward_rules.decide(tokens, state.options.loss_normalization, self.managed_gradient_accumulation(),
                                      scale_wrt_gas, self.gradient_accumulation_steps())
 
-    # -- unmanaged accumulation where DeepSpeed lacks it (surface_table.MANAGED_ACCUMULATION) ----------
-    def managed_gradient_accumulation(self):
-        """DeepSpeed's ``managed_gradient_accumulation()``; on releases without it, the ds_config's key
-        (DeepSpeed ignores it there, and this engine provides the behaviour: every ``step()`` is the boundary)."""
-        if has(MANAGED_ACCUMULATION):
-            return super().managed_gradient_accumulation()
-        return bool(self._config._param_dict.get("managed_gradient_accumulation", True))
-
-    def is_gradient_accumulation_boundary(self):
-        if has(MANAGED_ACCUMULATION) or self._is_gradient_accumulation_boundary is not None or \
-                self.managed_gradient_accumulation():
-            return super().is_gradient_accumulation_boundary()
-        # the micro-step count of "(self.micro_steps + 1) % self.gradient_accumulation_steps() == 0" replaced:
-        # the caller owns the boundary, and ODC pushes every backward's gradients whatever the boundary says
-        return True
-
     # -- DeepSpeedEngine's private methods, overridden ----------------------------------------------
     def _configure_zero_optimizer(self, optimizer):
         self._odc = _EngineState(parse_options(self._config._param_dict.get(MARKER_KEY)))
@@ -349,12 +332,8 @@ class ODCEngine(DeepSpeedEngine):
             self._odc.frozen = zero3_frozen.attach(built, self._odc.options, timeout_s)
             logger.info("odc stage: engine without an optimizer (frozen); its parameters are pulled one-sided")
         else:
-            try:
-                self._odc.lockstep, self._odc.split = engine_locksteps.attach(self, built.odc,
-                                                                              self._odc.options.balance, timeout_s)
-            except BaseException:  # refused (or failed) after the optimizer made its windows: __init__'s cleanup
-                built.destroy()    # cannot see them (self.optimizer is not set yet), so they go here
-                raise
+            self._odc.lockstep, self._odc.split = engine_locksteps.attach(self, built, self._odc.options.balance,
+                                                                          timeout_s)
         return built
 
     def _backward_prologue_per_tensor(self, grad):

@@ -21,10 +21,21 @@ from ds_odc.integration import sequence_parallel, split_attention
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
 
 
-def attach(engine, runtime, balance, timeout_s: float
+def attach(engine, optimizer, balance, timeout_s: float
            ) -> tuple[Optional[SequenceParallelLockstep], Optional[split_attention.SplitRuntime]]:
     """A training engine's fixed-SP lockstep (under an SP ``mpu``) or split runtime (under the split policy),
-    registered as the process's newest; collective where the split policy creates its groups."""
+    registered as the process's newest; collective where the split policy creates its groups. ``optimizer``: the
+    ODC optimizer DeepSpeed just built, destroyed here when this refuses or fails: the engine's own cleanup cannot
+    see it yet (``engine.optimizer`` is set after), and its windows and mappings of every peer's would stay."""
+    try:
+        return _attach(engine, optimizer.odc, balance, timeout_s)
+    except BaseException:
+        optimizer.destroy()
+        raise
+
+
+def _attach(engine, runtime, balance, timeout_s: float
+            ) -> tuple[Optional[SequenceParallelLockstep], Optional[split_attention.SplitRuntime]]:
     lockstep = sequence_parallel.lockstep_for(engine, runtime, timeout_s)
     if lockstep is not None:
         sequence_parallel.refuse_lost_windows(engine.module)

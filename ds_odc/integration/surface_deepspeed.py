@@ -38,6 +38,7 @@ from ds_odc.integration.surface_types import (
 
 _ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
+_ACCUMULATION = "ds_odc/integration/accumulation.py"
 _ENG, _Z3 = "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3"
 _PP, _COORD = "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.partitioned_param_coordinator"
 _ENGINE_CLS, _STAGE3 = "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3"
@@ -95,12 +96,13 @@ DEEPSPEED_SURFACE: tuple[PrivateName, ...] = (
                 "the optimizer-states file fsynced before 'latest'"),
     PrivateName(_ENG, _ENGINE_CLS, "load_universal_checkpoint", Kind.METHOD, CKPT,
                 "whether a load is a universal one"),
-    PrivateName(_ENG, _ENGINE_CLS, "managed_gradient_accumulation", Kind.METHOD, f"{ENGINE}, {METRICS}",
+    PrivateName(_ENG, _ENGINE_CLS, "managed_gradient_accumulation", Kind.METHOD, f"{_ACCUMULATION}, {METRICS}",
                 "whether DeepSpeed decides the accumulation boundary", since=MANAGED_ACCUMULATION),
     PrivateName(_ENG, _ENGINE_CLS, "(self.micro_steps + 1) % self.gradient_accumulation_steps() == 0",
-                Kind.SOURCE_TEXT, ENGINE, "the micro-step boundary an unmanaged ODC engine replaces (every step())",
+                Kind.SOURCE_TEXT, _ACCUMULATION, "the micro-step boundary an unmanaged ODC engine replaces (every "
+                "step())",
                 found_in="is_gradient_accumulation_boundary", before=MANAGED_ACCUMULATION),
-    PrivateName(_ENG, _ENGINE_CLS, "_is_gradient_accumulation_boundary", Kind.INSTANCE_ATTRIBUTE, ENGINE,
+    PrivateName(_ENG, _ENGINE_CLS, "_is_gradient_accumulation_boundary", Kind.INSTANCE_ATTRIBUTE, _ACCUMULATION,
                 "a boundary the caller set wins over an unmanaged ODC engine's", found_in="__init__",
                 before=MANAGED_ACCUMULATION),
     PrivateName(_ENG, _ENGINE_CLS, "_config", Kind.INSTANCE_ATTRIBUTE, ENGINE, "holds the raw ds_config",
