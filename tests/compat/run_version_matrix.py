@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,22 +182,24 @@ def _env(python: str) -> dict:
     return env
 
 
-#: DeepSpeed's JIT-built CPU operators the subsets use (the offload_states tests' Adam is FusedAdam)
-DEEPSPEED_OPERATORS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder"}
+#: DeepSpeed's JIT-built CPU operators the subsets use (the offload_states tests' Adam is FusedAdam, or
+#: DeepSpeedCPUAdam with the optimizer offloaded)
+DEEPSPEED_OPERATORS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder",
+                       "cpu_adam": "CPUAdamBuilder"}
 
 
 def build_operators(python: str) -> None:
-    """Build DeepSpeed's CPU communication operator and FusedAdam, and ds_odc's memory-ordering operator, in the
-    environment's extensions directory before any test runs. Ranks would otherwise build them on first use, inside
-    a test's hang timeout on a loaded machine: a build killed there leaves its lock behind, and every later rank of
-    that environment waits on the lock until its test times out. A lock found here, with no operator built, is such
-    a leftover (this runner is the directory's only user)."""
+    """Build DeepSpeed's CPU communication operator, FusedAdam and CPU Adam, and ds_odc's memory-ordering operator,
+    in the environment's extensions directory before any test runs. Ranks would otherwise build them on first use,
+    inside a test's hang timeout on a loaded machine (CPU Adam took 3 min 48 s there once, and its test timed out):
+    a build killed there leaves its lock behind, and every later rank of that environment waits on the lock until
+    its test times out. A lock found here is such a leftover (this runner is the directory's only user): the build,
+    perhaps cut short, is done again."""
     for name in DEEPSPEED_OPERATORS:
         build = os.path.join(_env(python)["TORCH_EXTENSIONS_DIR"], name)
-        lock = os.path.join(build, "lock")
-        if os.path.exists(lock) and not any(entry.endswith(".so") for entry in os.listdir(build)):
-            print(f"removing the lock a killed build left in {build}", flush=True)
-            os.remove(lock)
+        if os.path.exists(os.path.join(build, "lock")):
+            print(f"removing {build}: a killed build left its lock there", flush=True)
+            shutil.rmtree(build)
     code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
             "from deepspeed.accelerator import get_accelerator\n"
             "for builder in sys.argv[2:]:\n    assert get_accelerator().create_op_builder(builder).load() is not None\n"
