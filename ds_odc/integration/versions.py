@@ -5,8 +5,10 @@ The same ranges are declared in ``pyproject.toml`` (``dependencies`` and the ``h
 ds_odc beside a release outside them; ``tests/unit/test_hf_versions.py`` keeps the two in step. Where a private
 DeepSpeed name differs inside the range, the difference is a per-release entry of
 :mod:`ds_odc.integration.surface_table` (``Change``), checked at import like every other entry.
-``tests/compat/run_version_matrix.py`` runs the suite's parity, uneven-count, checkpoint, frozen-engine and HF
-Trainer tests against each end and each changed release (docs/frameworks.md has its table).
+``tests/compat/run_version_matrix.py`` runs the suite's parity, uneven-count, checkpoint, frozen-engine, HF
+Trainer and split-policy tests against each end and each changed release, and on a torch axis (the torch releases
+run, ``offload_states`` tests included; docs/frameworks.md has its tables). torch is declared from 2.11, the oldest
+release run; it is not checked here (pip holds the floor).
 """
 from __future__ import annotations
 
