@@ -393,35 +393,37 @@ def run_jobs(jobs: List[Job], workdir: str, zero3: bool = True, job_timeout: flo
     while pending:
         out_dir = tempfile.mkdtemp(prefix="combinations_", dir=workdir)
         shm_dir = tempfile.mkdtemp(prefix="odc_combinations_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        world_error = None
-        try:
-            run_ranks(run_on_ranks, pending[0].world, pending, out_dir, shm_dir, os.path.join(out_dir, "ckpt"), zero3,
-                      timeout=60 + job_timeout * len(pending), pg_timeout_s=pg_timeout_s)
-        except AssertionError as err:  # RankHang / RankFailure: judged below from what the ranks wrote
-            world_error = str(err)
-        finished = 0
-        for index, job in enumerate(pending):
-            paths = [os.path.join(out_dir, f"job{index}_rank{rank}.pt") for rank in range(job.world)]
-            if not all(os.path.exists(path) for path in paths):
-                break
-            records = [torch.load(path, weights_only=False) for path in paths]
-            problems = judge_records(job, records, initial)
-            verdicts.append((job, problems))
-            if on_result is not None:
-                on_result(job, problems, records)
-            finished += 1
-        if finished < len(pending):  # the job that was running when the world hung or died
-            job = pending[finished]
-            verdicts.append((job, [f"the ranks hung or died in this job: {world_error}"]))
-            if on_result is not None:
-                on_result(job, verdicts[-1][1], None)
-            finished += 1
-        pending = pending[finished:]
-        leftovers = os.listdir(shm_dir)
-        if leftovers and verdicts:
-            verdicts[-1][1].append(f"left in the shm_dir at the end of the world: {leftovers}")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        try:  # the directories go on every exit: a failing report, an interrupt, a world that died
+            world_error = None
+            try:
+                run_ranks(run_on_ranks, pending[0].world, pending, out_dir, shm_dir, os.path.join(out_dir, "ckpt"),
+                          zero3, timeout=60 + job_timeout * len(pending), pg_timeout_s=pg_timeout_s)
+            except AssertionError as err:  # RankHang / RankFailure: judged below from what the ranks wrote
+                world_error = str(err)
+            finished = 0
+            for index, job in enumerate(pending):
+                paths = [os.path.join(out_dir, f"job{index}_rank{rank}.pt") for rank in range(job.world)]
+                if not all(os.path.exists(path) for path in paths):
+                    break
+                records = [torch.load(path, weights_only=False) for path in paths]
+                problems = judge_records(job, records, initial)
+                verdicts.append((job, problems))
+                if on_result is not None:
+                    on_result(job, problems, records)
+                finished += 1
+            if finished < len(pending):  # the job that was running when the world hung or died
+                job = pending[finished]
+                verdicts.append((job, [f"the ranks hung or died in this job: {world_error}"]))
+                if on_result is not None:
+                    on_result(job, verdicts[-1][1], None)
+                finished += 1
+            pending = pending[finished:]
+            leftovers = os.listdir(shm_dir)
+            if leftovers and verdicts:
+                verdicts[-1][1].append(f"left in the shm_dir at the end of the world: {leftovers}")
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            shutil.rmtree(shm_dir, ignore_errors=True)
     return verdicts
 
 
