@@ -186,6 +186,21 @@ class ODCConfig(BaseModel):
     summed into one element span less than about 2**29 in magnitude, so runs usually repeat bit for bit,
     but that is not guaranteed (``deterministic`` is)."""
 
+    cross_node: Literal["replicate", "global", "auto"] = "replicate"
+    """How a job on several nodes holds parameters and gradient accumulators (docs/multinode.md). "replicate"
+    (default): the ranks of each node hold every shard between them (window and accumulator ``n_nodes`` times
+    ZeRO-3's partitions); pulls and pushes stay in the node and nodes exchange once per step, the least
+    cross-node traffic. "global": every rank holds only its own ``1/world``, ZeRO-3's memory; pulls and pushes
+    reach owners on other nodes one-sided (about ``6P(N-1)/N`` bytes per micro-batch per rank, bf16), and the
+    step moves no gradients or shards between nodes. CPU hosts for now (refused on GPUs by name).
+    "auto": "replicate" while its replicated part fits ``node_replica_budget_gb`` (or no budget is given),
+    "global" otherwise, saying which and why in the log. On one node every value is the same."""
+
+    node_replica_budget_gb: Optional[Annotated[float, Field(gt=0)]] = None
+    """With ``cross_node`` "auto": GiB per rank the replicated part of model states may take beyond global
+    sharding (node copies of other nodes' shards and accumulators). Default null (auto then replicates).
+    Refused with "replicate" or "global"."""
+
     deterministic: Optional[bool] = None
     """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
     ranks, several nodes): each pushed value is cut into two parts on fixed grids and summed exactly in two
@@ -242,6 +257,9 @@ class ODCConfig(BaseModel):
         if self.deterministic and "accumulator_dtype" in self.model_fields_set:
             raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
                              f"accumulator_dtype={self.accumulator_dtype!r} out")
+        if self.node_replica_budget_gb is not None and self.cross_node != "auto":
+            raise ValueError(f"node_replica_budget_gb applies to cross_node 'auto', not {self.cross_node!r}: leave "
+                             "the budget out, or set cross_node 'auto'")
         if self.timeline is not None and not self.metrics:
             raise ValueError("timeline draws the step recorder's spans, so metrics=false cannot go with it: leave "
                              "metrics out (it defaults to true) or the timeline")
