@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as tdist
@@ -42,6 +42,8 @@ from ds_odc.errors import ODCPeerError, ODCTimeoutError
 #: How long a broken collective waits for the board to say why (a node names a dead rank within
 #: milliseconds; its ranks may be busy for a while before their next round notices it).
 CAUSE_GRACE_S = 10.0
+#: The longest a call to the job's store may take before the store counts as unreachable.
+STORE_CALL_BOUND_S = 10.0
 #: How often a rank waiting in the exchange reads the board (and beats its heartbeat).
 BOARD_PERIOD_S = 0.05
 
@@ -93,8 +95,16 @@ class CrossNodeLink:
     def barrier(self, what: str) -> None:
         pass
 
+    def settle(self, what: str) -> None:
+        """Every node's ranks have reached this point: nothing on one node, or where pushes stay in the
+        node (replicate); a barrier of the job where pushes cross nodes (:class:`GlobalLink`)."""
+
     def announce(self, record: FailureRecord) -> None:
         pass
+
+    def posted_failure(self) -> Optional[FailureRecord]:
+        """The job's failure another node posted, or None (one node: its rounds say it)."""
+        return None
 
     def close(self) -> None:
         pass
@@ -108,27 +118,57 @@ class FailureBoard:
     one of them to the other nodes, whose ranks may be waiting in a cross-node collective for a rank
     that will never join it."""
 
-    def __init__(self, store, key: str):
+    def __init__(self, store, key: str, timeout_s: float = STORE_CALL_BOUND_S):
         self.store, self.key = store, key
+        self.timeout_s = min(timeout_s, STORE_CALL_BOUND_S)
+        self.unreachable: Optional[str] = None  # why the store stopped answering, once it has
 
     def post(self, record: FailureRecord) -> None:
-        try:
+        def post() -> None:
             if not self.store.check([self.key]):
                 self.store.set(self.key, record.encode())
+        try:
+            self._bounded(post)
         except Exception:  # noqa: BLE001 - the store's host is gone: the others find out by themselves
             pass
 
     def read(self) -> Optional[FailureRecord]:
         """The posted failure, or None. Raises ODCPeerError if the store itself cannot be reached
-        (its host, node 0's, is gone)."""
+        (its host, node 0's, is gone, or the network to it is cut)."""
+        def read() -> Optional[bytes]:
+            return self.store.get(self.key) if self.store.check([self.key]) else None
         try:
-            if not self.store.check([self.key]):
-                return None
-            raw = self.store.get(self.key)
+            raw = self._bounded(read)
         except Exception as err:  # noqa: BLE001
-            raise ODCPeerError(f"the job's store (on node 0) cannot be reached: node 0 or its rank 0 is gone ({err})",
-                               None) from err
-        return FailureRecord.decode(raw)
+            raise ODCPeerError(f"the job's store (on node 0) cannot be reached: node 0 or its rank 0 is gone, or the "
+                               f"network to it is cut ({err})", None) from err
+        return None if raw is None else FailureRecord.decode(raw)
+
+    def _bounded(self, call: Callable[[], Any]) -> Any:
+        """``call`` (a store round trip) within ``timeout_s``. A store client waits on its socket without a
+        bound when the network to the store's host is cut (no reset ever comes), so the call runs on a helper
+        thread; one that does not return leaves the board unreachable for good (that thread stays blocked,
+        a daemon, until the process ends: the job is failing by then)."""
+        if self.unreachable is not None:
+            raise ConnectionError(self.unreachable)
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, err))
+
+        helper = threading.Thread(target=run, daemon=True, name="ds_odc-store-call")
+        helper.start()
+        helper.join(self.timeout_s)
+        if not outcome:
+            self.unreachable = f"no answer from the store within {self.timeout_s:.0f}s"
+            raise ConnectionError(self.unreachable)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def close(self) -> None:
         """Drop this rank's connection to the store (``engine.destroy()``)."""
@@ -209,6 +249,9 @@ class TorchDistributedLink(CrossNodeLink):
         """This node's ranks cannot continue: tell every node."""
         self.board.post(record)
 
+    def posted_failure(self) -> Optional[FailureRecord]:
+        return self.board.read()
+
     def close(self) -> None:
         self.board.close()
 
@@ -272,6 +315,27 @@ class TorchDistributedLink(CrossNodeLink):
                 return record
             self.heartbeat()
             time.sleep(0.01)
+
+
+class GlobalLink(TorchDistributedLink):
+    """The link of ``cross_node: "global"``: every rank holds only its own block, pulls and pushes reach
+    owners on other nodes one-sided (:mod:`ds_odc.comm.remote`), so the step moves no gradients or shards
+    between nodes. What stays are the counts and the norm (as with replicate), and barriers where the
+    replicated layout's collectives ordered the job: after the updates (no pull before every owner has
+    updated), after windows are rewritten or first opened, and before an accumulator is read or zeroed
+    outside a step (every push sent to it has landed)."""
+
+    def reduce_gradients(self, accumulator: torch.Tensor, blocks: NodeBlocks) -> None:
+        """Every rank's pushes have landed in their owners' accumulators (pushes return acknowledged, so
+        every rank being past its fence is enough): nothing to sum."""
+        self.barrier("the gradient fence")
+
+    def gather_windows(self, window: torch.Tensor, blocks: NodeBlocks, frozen: bool = False) -> None:
+        """Every owner's shards are written (updated, loaded or opened): remote pulls may begin."""
+        self.barrier("publishing updated shards")
+
+    def settle(self, what: str) -> None:
+        self.barrier(what)
 
 
 def _wait_into(work, outcome: list) -> None:

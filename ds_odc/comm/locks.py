@@ -13,7 +13,9 @@ Both are POSIX record locks, which the kernel releases when their holder dies, h
 
 POSIX record locks belong to a (process, file) pair, and closing *any* descriptor of the file
 releases all of the process's locks on it. So each process opens each lock file exactly once and
-keeps that descriptor for the transport's lifetime, and a single thread does the pushes.
+keeps that descriptor for the transport's lifetime; threads of one process that push (the training thread,
+and with ``cross_node: "global"`` the thread serving pushes from other nodes) exclude each other with a lock of
+the transport's own (``ShmTransport.push_guard``).
 """
 from __future__ import annotations
 

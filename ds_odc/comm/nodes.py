@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch.distributed as tdist
 
-from ds_odc.comm.cross_node import CrossNodeLink, FailureBoard, TorchDistributedLink
+from ds_odc.comm.cross_node import CrossNodeLink, FailureBoard, GlobalLink, TorchDistributedLink
 from ds_odc.comm.topology import Topology
 from ds_odc.errors import ODCConfigError, ODCPeerError
 
@@ -37,6 +37,8 @@ class JobNodes:
     node_group: Any = None  # None: the default group (one node)
     cross_group: Any = None  # None on one node
     board_key: str = ""
+    #: every rank of the job, for pulls and pushes across nodes (cross_node "global" on several nodes only)
+    remote_group: Any = None
 
     @property
     def node_count(self) -> int:
@@ -51,8 +53,9 @@ class JobNodes:
         cross-node group's collectives, watched by the job's failure board (its own store connection)."""
         if self.node_count == 1:
             return CrossNodeLink()
-        board = FailureBoard(job_store(timeout_s), self.board_key)
-        return TorchDistributedLink(self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
+        board = FailureBoard(job_store(timeout_s), self.board_key, timeout_s)
+        kind = TorchDistributedLink if self.remote_group is None else GlobalLink
+        return kind(self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
 
     def agree(self, error: Optional[BaseException], doing: str) -> None:
         """Every node's outcome of a step each node agreed on by itself (its windows' allocation): a
@@ -75,8 +78,10 @@ class JobNodes:
             raise error_class(f"rank {rank} on {host} failed while {doing}: {text}") from None
 
 
-def job_nodes(timeout_s: float) -> JobNodes:
-    """Collective over every rank: the hosts, the layout check, and the groups (several nodes only)."""
+def job_nodes(timeout_s: float, global_sharding: bool = False) -> JobNodes:
+    """Collective over every rank: the hosts, the layout check, and the groups (several nodes only);
+    ``global_sharding`` (``cross_node: "global"``): also a gloo group of every rank, for the pulls and
+    pushes that cross nodes (:mod:`ds_odc.comm.remote`)."""
     rank = tdist.get_rank()
     mine = (socket.gethostname(), uuid.uuid4().hex[:12])
     everyone: list[Any] = [None] * tdist.get_world_size()  # every rank's (host, id), once gathered
@@ -97,8 +102,10 @@ def job_nodes(timeout_s: float) -> JobNodes:
         group = tdist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             cross_group = group
+    remote_group = (tdist.new_group(list(range(topology.world_size)), timeout=timeout, backend="gloo")
+                     if global_sharding else None)
     return JobNodes(topology, node, local_rank, local_world, node_group, cross_group,
-                    board_key=f"ds_odc/{everyone[0][1]}/failure")
+                    board_key=f"ds_odc/{everyone[0][1]}/failure", remote_group=remote_group)
 
 
 def job_store(timeout_s: float):

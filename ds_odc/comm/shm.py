@@ -19,6 +19,7 @@ block and a lock file (liveness, accumulator stripes), all created, reserved and
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 from typing import Collection, List, Optional, Sequence
 
@@ -60,6 +61,9 @@ class ShmTransport(Transport):
         self._new_files: List[str] = []  # this rank's files of the newest generation, until every peer mapped them
         self._new_lock: Optional[LockFile] = None
         self._new_guard: Optional[CleanupOnSignal] = None
+        # POSIX record locks exclude processes, not threads of one: where a thread serves pushes from other
+        # nodes (ds_odc.comm.remote) beside the training thread's own, this excludes them from each other
+        self._adding = threading.Lock()
 
     # -- allocation (collective, once) ---------------------------------------------------------
     def allocate(self, spec: WindowSpec) -> None:
@@ -135,14 +139,15 @@ class ShmTransport(Transport):
         locks = self._locks[owner]
         stripes = range(offset // self.stripe_numel, (offset + max(numel, 1) - 1) // self.stripe_numel + 1)
         taken = []
-        try:
-            for stripe in stripes:
-                locks.acquire(stripe)
-                taken.append(stripe)
-            yield
-        finally:
-            for stripe in reversed(taken):
-                locks.release(stripe)
+        with self._adding:
+            try:
+                for stripe in stripes:
+                    locks.acquire(stripe)
+                    taken.append(stripe)
+                yield
+            finally:
+                for stripe in reversed(taken):
+                    locks.release(stripe)
 
     def _stripe_pieces(self, offset: int, numel: int):
         """``(position, offset into the source, count)`` of a range split on stripe boundaries.

@@ -1,0 +1,244 @@
+"""Owners on other nodes, reached one-sided: ``cross_node: "global"`` on CPU hosts (``docs/multinode.md``).
+
+With global sharding every rank holds only its own ``1/world`` of the windows, so a pull or push whose
+owner sits on another node cannot be a load or an add on a mapping: the bytes cross the network. This
+module carries them on ``torch.distributed`` point-to-point messages (gloo over TCP), not on a socket
+protocol of its own, and keeps the contract of the node transports: the owner's *code* does not take
+part. Each rank runs a **server thread** that answers requests for its own windows while its main
+thread trains:
+
+* read     ``REQUEST [READ, offset, numel]``  -> ``REPLY`` the window's elements, bytes as they are;
+* push     ``REQUEST [PUSH, offset, numel, dtype]`` + ``PAYLOAD`` -> the server adds it into the
+  accumulator through the node transport (so under its stripe locks, exactly as a node peer's push),
+  then ``REPLY [status]``. A push returns once its acknowledgement arrived: when a rank reaches the
+  step's fence every push it sent has landed (the fence's rule, across nodes at no extra cost);
+* stop     ``REQUEST [STOP]``: a peer closed; the thread ends once every peer has said so.
+
+Why gloo point-to-point rather than MPI-3 one-sided windows or a store: it is already in every job
+(the launchers' rendezvous sets it up), its messages between two ranks keep their order per tag
+(several requests to one owner can be in flight, answered in order), a receive can name "any source"
+(one thread serves every peer), and a dead peer breaks its connection at once (the waiting rank
+raises within milliseconds) while a stalled one is bounded by a receive's timeout.
+
+When the reads and adds happen is the step protocol's business, not this module's: pulls are allowed
+only between a publish and the next fence, which are job-wide on this mode
+(:class:`~ds_odc.comm.cross_node.GlobalLink`), so no pull sees an owner halfway through its update.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as tdist
+
+from ds_odc.comm.batch import COMPLETED, Completion, Transfer
+from ds_odc.comm.failure import FailureRecord
+from ds_odc.errors import ODCPeerError, ODCTimeoutError
+
+REQUEST, PAYLOAD, REPLY = 71, 72, 73  # message tags (the group is this module's own)
+READ, PUSH, STOP = 1, 2, 3
+HEADER_WIDTH = 4  # op, offset, numel, dtype code
+#: Gradient dtypes a push may carry, by code (the code travels in the request's header).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: How long a broken request waits for the failure board to say why (as the cross-node link does).
+CAUSE_GRACE_S = 10.0
+#: How long closing waits for its stops to be sent (peers that are gone or unreachable need none).
+STOP_WAIT_S = 2.0
+
+_log = logging.getLogger("ds_odc")
+
+
+class RemoteWindows:
+    """This rank's reads and pushes to owners on other nodes, and the thread serving its own windows.
+
+    ``group``: a gloo group of every rank of the job (job ranks are its ranks); ``window`` and
+    ``add_own``: this rank's parameter window and how to add into its accumulator (the node transport's
+    ``accumulate`` on this rank, which takes the stripe locks its node peers take);
+    ``cause``: the job's failure record when one was posted (the failure board), to name the origin
+    when a request breaks."""
+
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float,
+                 window: Callable[[], torch.Tensor], add_own: Callable[[int, torch.Tensor], None],
+                 cause: Callable[[], Optional[FailureRecord]] = lambda: None):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.window, self.add_own, self.cause = window, add_own, cause
+        # traffic, for tests and metrics: what this rank asked of other nodes, and what it served
+        self.reads = self.pushes = self.bytes_read = self.bytes_pushed = 0
+        self.served_reads = self.served_pushes = 0
+        self.server_error: Optional[BaseException] = None
+        self._stops = 0
+        self._closed = False
+        self._exit_lock = threading.Lock()
+        self._on_exit: Optional[Callable[[], None]] = None
+        self._ended = False
+        self._server = threading.Thread(target=self._serve, name=f"ds_odc-remote-server-{rank}", daemon=True)
+        self._server.start()
+
+    # -- the client side (this rank's main thread) ---------------------------------------------------
+    def read_many(self, reads: Sequence[Transfer], doing: str = "pulling parameters") -> Completion:
+        """Every ``transfer.tensor`` filled from ``transfer.owner``'s (a job rank) window at ``offset``.
+        Every request is sent before the first reply is awaited; returns when all have arrived."""
+        window_dtype = self.window().dtype
+        sends: list[tuple[int, Any]] = []
+        replies: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        for transfer in reads:
+            out = transfer.tensor
+            landing = out if out.dtype == window_dtype and out.is_contiguous() else \
+                torch.empty(out.numel(), dtype=window_dtype)
+            header = torch.tensor([READ, transfer.offset, out.numel(), 0], dtype=torch.int64)
+            sends.append((transfer.owner, tdist.isend(header, transfer.owner, group=self.group, tag=REQUEST)))
+            replies.append((transfer.owner, tdist.irecv(landing, transfer.owner, group=self.group, tag=REPLY),
+                            landing, out))
+            self.reads += 1
+            self.bytes_read += out.numel() * landing.element_size()
+        for owner, work in sends:
+            self._wait(work, owner, doing)
+        for owner, work, landing, out in replies:
+            self._wait(work, owner, doing)
+            if landing is not out:
+                out.copy_(landing.view(out.shape))
+        return COMPLETED
+
+    def accumulate_many(self, pushes: Sequence[Transfer], doing: str = "pushing gradients") -> Completion:
+        """Every ``transfer.tensor`` added into ``transfer.owner``'s accumulator at ``offset``; returns
+        once every owner acknowledged its add (the pushes have landed)."""
+        sends: list[tuple[int, Any]] = []
+        replies: list[tuple[int, Any, torch.Tensor]] = []
+        for transfer in pushes:
+            payload = transfer.tensor.detach().reshape(-1).contiguous().cpu()
+            if payload.dtype not in DTYPES:
+                raise ValueError(f"a push of dtype {payload.dtype} cannot cross nodes (one of {DTYPES})")
+            header = torch.tensor([PUSH, transfer.offset, payload.numel(), DTYPES.index(payload.dtype)],
+                                  dtype=torch.int64)
+            status = torch.zeros(1, dtype=torch.int64)
+            sends.append((transfer.owner, tdist.isend(header, transfer.owner, group=self.group, tag=REQUEST)))
+            sends.append((transfer.owner, tdist.isend(payload, transfer.owner, group=self.group, tag=PAYLOAD)))
+            replies.append((transfer.owner, tdist.irecv(status, transfer.owner, group=self.group, tag=REPLY), status))
+            self.pushes += 1
+            self.bytes_pushed += payload.numel() * payload.element_size()
+        for owner, work in sends:
+            self._wait(work, owner, doing)
+        for owner, work, status in replies:
+            self._wait(work, owner, doing)
+            if int(status[0]) != 0:
+                raise ODCPeerError(f"rank {owner} could not add a gradient pushed by rank {self.rank} into its "
+                                   f"accumulator (its error is in its log); rank {self.rank} was {doing}", None)
+        return COMPLETED
+
+    def _wait(self, work, owner: int, doing: str) -> None:
+        """One message, bounded by ``timeout_s``; a broken one names the job's failure if one was posted."""
+        try:
+            work.wait(self.timeout)
+        except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
+            record = self._posted_cause()
+            if record is not None:
+                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} from rank {owner} on "
+                                   "another node", record) from err
+            if "Timed out" in str(err) or "timed out" in str(err):
+                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for rank {owner} on another "
+                                      f"node while {doing}: it is stuck or its node is unreachable "
+                                      "(zero_optimization.odc.timeout_s)", None) from err
+            raise ODCPeerError(f"rank {self.rank} lost rank {owner} on another node while {doing}: {err}",
+                               None) from err
+
+    def _posted_cause(self) -> Optional[FailureRecord]:
+        deadline = time.monotonic() + min(CAUSE_GRACE_S, self.timeout_s)
+        while True:
+            try:
+                record = self.cause()
+            except ODCPeerError:
+                return None
+            if record is not None or time.monotonic() > deadline:
+                return record
+            time.sleep(0.01)
+
+    # -- the server side (a thread of this rank) -------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            self._answer_requests()
+        finally:
+            with self._exit_lock:
+                self._ended = True
+                on_exit, self._on_exit = self._on_exit, None
+            if on_exit is not None:
+                on_exit()
+
+    def _answer_requests(self) -> None:
+        header = torch.zeros(HEADER_WIDTH, dtype=torch.int64)
+        while self._stops < self.world_size - 1:
+            try:
+                source = tdist.recv(header, None, group=self.group, tag=REQUEST)
+            except Exception as err:  # noqa: BLE001 - the group is gone (the process is ending)
+                self.server_error = err
+                return
+            op, offset, numel, code = (int(v) for v in header.tolist())
+            try:
+                if op == READ:
+                    tdist.send(self.window().narrow(0, offset, numel), source, group=self.group, tag=REPLY)
+                    self.served_reads += 1
+                elif op == PUSH:
+                    self._serve_push(source, offset, numel, DTYPES[code])
+                elif op == STOP:
+                    self._stops += 1
+            except Exception as err:  # noqa: BLE001 - that requester raises; this thread serves the others
+                self.server_error = err
+                _log.error(f"ds_odc: rank {self.rank} could not serve rank {source}'s request {header.tolist()}: "
+                           f"{type(err).__name__}: {err}")
+
+    def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> None:
+        payload = torch.empty(numel, dtype=dtype)
+        tdist.recv(payload, source, group=self.group, tag=PAYLOAD)
+        status = 0
+        try:
+            self.add_own(offset, payload)
+            self.served_pushes += 1
+        except Exception as err:  # noqa: BLE001 - reported to the pusher, which fails its group
+            status = 1
+            self.server_error = err
+            _log.error(f"ds_odc: rank {self.rank} could not add rank {source}'s push: {type(err).__name__}: {err}")
+        tdist.send(torch.tensor([status], dtype=torch.int64), source, group=self.group, tag=REPLY)
+
+    @property
+    def serving(self) -> bool:
+        return self._server.is_alive()
+
+    def after_serving(self, release: Callable[[], None]) -> None:
+        """Call ``release`` (what frees the windows this thread reads and adds into) once the server has
+        ended: at once if it has."""
+        with self._exit_lock:
+            if not self._ended:
+                self._on_exit = release
+                return
+        release()
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Tell every peer's server that this rank sends no more requests. This rank's own server ends
+        once every peer has said the same (it still answers peers that are not done); ``wait_s``: how
+        long to wait for that here. Returns whether it has ended (then nothing reads the windows any
+        more); if not, the thread is a daemon and ends by itself when the last peer closes. Idempotent."""
+        if self._closed:
+            return not self._server.is_alive()
+        self._closed = True
+        stop = torch.tensor([STOP, 0, 0, 0], dtype=torch.int64)
+        sends: list[Any] = []
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                try:
+                    sends.append(tdist.isend(stop, peer, group=self.group, tag=REQUEST))
+                except Exception:  # noqa: BLE001 - that peer is gone: it needs no stop
+                    pass
+        deadline = time.monotonic() + min(STOP_WAIT_S, self.timeout_s)  # one bound for all: a cut link must not
+        for work in sends:                                                # cost it once per peer
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - that peer is gone or unreachable: it needs no stop
+                pass
+        if wait_s > 0:
+            self._server.join(wait_s)
+        return not self._server.is_alive()
