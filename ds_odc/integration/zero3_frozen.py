@@ -92,8 +92,10 @@ def attach(offload: DeepSpeedZeRoOffload, options: ODCConfig, timeout_s: float) 
     plan = SessionPlan(trainable=[], frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in params],
                        compute_dtype=params[0].ds_tensor.dtype, device=str(params[0].ds_tensor.device),
                        norm_groups=0, timeout_s=timeout_s, transport=options.transport, shm_dir=options.shm_dir,
-                       stripe_numel=options.accumulator_stripe_numel)
+                       stripe_numel=options.accumulator_stripe_numel, cross_node=options.cross_node,
+                       replica_budget_gb=options.node_replica_budget_gb)
     runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(offload, runtime))
+    windows.announce_cross_node(runtime)
     try:
         windows.move_shards_in(params, runtime)
         runtime.open()  # now, while every rank is in initialize: no forward ever meets another rank

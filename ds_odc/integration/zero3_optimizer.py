@@ -129,6 +129,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                                  "(no model, tensor, pipeline or sequence parallelism yet)")
         plan = windows.session_plan(self, self._odc_options, resolve_timeout_s(self._odc_options.timeout_s))
         self._odc_runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc))
+        windows.announce_cross_node(self._odc_runtime)
         release_allreduce_buffer(dist.get_rank())  # every rank passed the session's start-up collectives
         windows.adopt_param_window(self, self.odc)
 
@@ -317,6 +318,7 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         gradient bucket); the two that are windows peers reach, ``lp_params`` (the parameter window) and
         ``lp_grads`` (the accumulator), move with every rank (collective, :mod:`ds_odc.runtime.residency`)
         and ZeRO-3's buffers point at their host copies. ZeRO-3's own checks run before anything moves."""
+        self.odc.refuse_with_global_sharding("engine.offload_states()")  # before anything moves
         wanted = list(OffloadStateTypeEnum) if include is None else list(include)
         own = [state for state in wanted if state not in WINDOW_STATES]
         super().offload_states(include=own, device=device, pin_memory=pin_memory, non_blocking=non_blocking)

@@ -55,7 +55,18 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
                        norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
                        accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype],
-                       exact=deterministic_sums(options, device))
+                       exact=deterministic_sums(options, device), cross_node=options.cross_node,
+                       replica_budget_gb=options.node_replica_budget_gb)
+
+
+def announce_cross_node(runtime: ODCRuntime) -> None:
+    """Say in the log (rank 0, DeepSpeed's logger) how a job on several nodes holds its windows, and why."""
+    choice = runtime.cross_node
+    if choice is not None:
+        from deepspeed.utils import logger
+
+        if torch.distributed.get_rank() == 0:
+            logger.info(f"ds_odc cross_node: {choice.reason}")
 
 
 def deterministic_sums(options: ODCConfig, device: str) -> bool:

@@ -16,8 +16,11 @@ import torch
 
 from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.cross_node import CrossNodeLink
+from ds_odc.comm.remote import RemoteWindows
 from ds_odc.comm.transport import Transport
+from ds_odc.errors import ODCConfigError
 from ds_odc.runtime import exact_sum
+from ds_odc.runtime.cross_node_plan import CrossNodeChoice
 from ds_odc.runtime.layout import WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
@@ -25,6 +28,8 @@ from ds_odc.runtime.round_kinds import RoundKind
 from ds_odc.runtime.split_lockstep import SplitLockstep
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
 
+#: How long :meth:`ODCRuntime.close` waits for every peer on other nodes to close too (global sharding).
+REMOTE_CLOSE_WAIT_S = 2.0
 #: The most values :meth:`ODCRuntime.exchange_values` carries in one round.
 VALUES_WIDTH = 8
 
@@ -34,19 +39,27 @@ class ODCRuntime:
 
     def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
                  on_open: Optional[Callable[[], None]] = None, link: Optional[CrossNodeLink] = None,
-                 exact: bool = False):
+                 exact: bool = False, remote: Optional[RemoteWindows] = None, job_world: Optional[int] = None):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
         self.link = link or CrossNodeLink()
-        if self.link.node_count != layout.node_count:
-            raise ValueError(f"a layout of {layout.node_count} node blocks with a link to "
-                             f"{self.link.node_count} nodes")
+        # owners on other nodes: reached through ``remote`` (cross_node "global", one block per rank), or their
+        # blocks are in this node's windows (replicate: a block per node)
+        self.remote = remote
+        blocks = 1 if remote is not None else self.link.node_count
+        if blocks != layout.node_count:
+            raise ValueError(f"a layout of {layout.node_count} node blocks with a link to {self.link.node_count} nodes"
+                             + (" and global sharding" if remote is not None else ""))
         self.node = self.link.node  # this rank's node: its own shards are that node's block
-        self.world_size = transport.world_size * layout.node_count  # ZeRO-3's partitions: one per rank of the job
+        # ZeRO-3's partitions: one per rank of the job
+        self.world_size = job_world or transport.world_size * self.link.node_count
+        self._block_of = (lambda node: 0) if remote is not None else (lambda node: node)
+        self.own_block = self._block_of(self.node)  # where this rank's own shards sit in its windows
         self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks, exact)
         self.exact = exact  # deterministic accumulation: coarse and fine regions ([Note: exact sums])
         self.warned_inexact = False
+        self.cross_node: Optional[CrossNodeChoice] = None  # how a job on several nodes holds its windows (open_session)
         self.pulls = 0  # parameters pulled, for tests and metrics
         self.pushes = 0  # gradients pushed
 
@@ -69,8 +82,8 @@ class ODCRuntime:
         """Fill ``out`` (flat, ``numel`` elements, compute dtype) with the full parameter ``key``,
         reading each owner's shard from its window."""
         self.protocol.before_pull()
-        for local, offset, start, count in self._param_pieces(key):
-            self.transport.read(local, offset, out.narrow(0, start, count))
+        self._read([Transfer(owner, offset, out.narrow(0, start, count))
+                    for owner, offset, start, count in self._param_pieces(key)]).wait()
         self.pulls += 1
         self.transport.heartbeat()
         return out
@@ -82,11 +95,9 @@ class ODCRuntime:
         if len(keys) != len(outs):
             raise ValueError(f"pull_many: {len(keys)} keys but {len(outs)} destinations")
         self.protocol.before_pull()
-        reads = []
-        for key, out in zip(keys, outs):
-            for local, offset, start, count in self._param_pieces(key):
-                reads.append(Transfer(local, offset, out.narrow(0, start, count)))
-        handle = self.transport.read_many(reads)
+        reads = [Transfer(owner, offset, out.narrow(0, start, count))
+                 for key, out in zip(keys, outs) for owner, offset, start, count in self._param_pieces(key)]
+        handle = self._read(reads)
         self.pulls += len(keys)
         self.transport.heartbeat()
         return handle
@@ -97,30 +108,50 @@ class ODCRuntime:
     def own_shard(self, key: int) -> torch.Tensor:
         """This rank's shard of parameter ``key`` in its window (what its optimizer updates)."""
         slot = self.layout.slots[key]
-        return self.protocol.residency.stash.window("params").narrow(0, self.layout.param_offset(slot, self.node),
+        return self.protocol.residency.stash.window("params").narrow(0, self.layout.param_offset(slot, self.own_block),
                                                            slot.shard_numel)
 
     def own_gradient(self, key: int) -> torch.Tensor:
         """This rank's gradient shard of trainable parameter ``key`` in its accumulator."""
         slot = self.layout.slots[key]
-        return self.protocol.residency.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.node),
+        return self.protocol.residency.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.own_block),
                                                           slot.shard_numel)
 
     def own_trainable_shards(self) -> torch.Tensor:
         """This rank's trainable shards, contiguous in its window (ZeRO-3's flat shard buffer lives here)."""
-        return self.protocol.residency.stash.window("params").narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.residency.stash.window("params").narrow(0, *self.layout.trainable_block(self.own_block))
 
     def own_gradients(self) -> torch.Tensor:
         """This rank's gradient shards, contiguous in its accumulator (ZeRO-3's gradient partition)."""
-        return self.protocol.residency.stash.window("grads").narrow(0, *self.layout.trainable_block(self.node))
+        return self.protocol.residency.stash.window("grads").narrow(0, *self.layout.trainable_block(self.own_block))
 
     def _param_pieces(self, key: int):
-        """``(rank on this node, window offset, start, count)`` of every owner's shard of ``key``: the
-        owner itself on one node; on several, the node's rank holding that owner's block."""
+        """``(owner, window offset, start, count)`` of every owner's (job rank's) shard of ``key``."""
         slot = self.layout.slots[key]
         for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-            node, local = divmod(owner, self.transport.world_size)
-            yield local, self.layout.param_offset(slot, node), start, count
+            yield owner, self.layout.param_offset(slot, self._block_of(owner // self.transport.world_size)), \
+                start, count
+
+    def _routed(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+        """``transfers`` (owners are job ranks) split into those for this node's transport (the owner, or
+        with replicated blocks the node's rank holding the owner's block: addressed by local rank) and those
+        for owners on other nodes (global sharding: addressed by job rank)."""
+        local, remote = [], []
+        for transfer in transfers:
+            node, rank = divmod(transfer.owner, self.transport.world_size)
+            if self.remote is not None and node != self.node:
+                remote.append(transfer)
+            else:
+                local.append(Transfer(rank, transfer.offset, transfer.tensor))
+        return local, remote
+
+    def _read(self, reads: Sequence[Transfer]) -> Completion:
+        local, remote = self._routed(reads)
+        if remote:
+            assert self.remote is not None
+            with self.protocol.failing_group("a parameter pull from another node"):
+                self.remote.read_many(remote)
+        return self.transport.read_many(local)
 
     def push(self, key: int, grad: torch.Tensor) -> None:
         """Add the full flat gradient of parameter ``key``, divided by the world size, into its
@@ -139,12 +170,18 @@ class ODCRuntime:
             if self.world_size > 1:
                 grad.div_(self.world_size)
             parts = [grad] if not self.exact else self._exact_parts(key, grad)
+            pushes = []
             for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-                node, local = divmod(owner, self.transport.world_size)
-                offset = self.layout.grad_offset(slot, node)
+                offset = self.layout.grad_offset(slot, self._block_of(owner // self.transport.world_size))
                 for region, part in enumerate(parts):  # exact sums: the fine part in the second region
-                    self.transport.accumulate(local, offset + region * self.layout.accumulator_numel,
-                                              part.narrow(0, start, count))
+                    pushes.append(Transfer(owner, offset + region * self.layout.accumulator_numel,
+                                           part.narrow(0, start, count)))
+            local, remote = self._routed(pushes)
+            for push in local:
+                self.transport.accumulate(push.owner, push.offset, push.tensor)
+            if remote:
+                assert self.remote is not None
+                self.remote.accumulate_many(remote)
         self.pushes += 1
         self.transport.heartbeat()
 
@@ -182,6 +219,7 @@ class ODCRuntime:
                         what: str = "engine.offload_states()") -> frozenset:
         """Move this rank's windows of ``kinds`` ("params", "grads") to host memory, with every rank
         (collective; :mod:`ds_odc.runtime.residency`). Returns the kinds moved now."""
+        self.refuse_with_global_sharding(what)
         return self.protocol.residency.offload(frozenset(kinds), pin_memory, non_blocking, what)
 
     def reload_windows(self, non_blocking: bool = False, what: str = "engine.reload_states()") -> frozenset:
@@ -215,10 +253,12 @@ class ODCRuntime:
     def sequence_parallel_lockstep(self, group: int, members: Sequence[int], timeout_s: float
                                    ) -> SequenceParallelLockstep:
         """The lockstep of SP group ``group`` (job ranks ``members``): its ranks begin the same forwards."""
+        self.refuse_with_global_sharding("sequence parallelism")
         return SequenceParallelLockstep(self.protocol, group, members, timeout_s)
 
     def split_lockstep(self, timeout_s: float) -> SplitLockstep:
         """The lockstep of split micro-batches (policy "lb-mini-split"): their members begin the same forwards."""
+        self.refuse_with_global_sharding('the balance policy "lb-mini-split"')
         return SplitLockstep(self.protocol, timeout_s)
 
     def barrier(self, what: str) -> None:
@@ -241,9 +281,20 @@ class ODCRuntime:
         with self.protocol.failing_group(what):
             return self.link.job_rows(rows)
 
+    def refuse_with_global_sharding(self, what: str) -> None:
+        """What is not yet tested with owners on other nodes is refused by name (the same on every rank: every
+        rank has the same options), before any round."""
+        if self.remote is not None:
+            raise ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node='global' on several "
+                                 "nodes yet; use cross_node 'replicate' (the default) for it")
+
     def close(self) -> None:
         try:
             self.protocol.close()
-            self.transport.close()
+            if self.remote is None or self.remote.close(wait_s=REMOTE_CLOSE_WAIT_S):
+                self.transport.close()
+            else:  # peers on other nodes may still read this rank's window: it stays until they all closed
+                self.transport.say_closed()
+                self.remote.after_serving(self.transport.close)
         finally:
             self.link.close()

@@ -15,14 +15,19 @@ After this, nothing ODC does is collective outside its rounds.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as tdist
 
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.comm.nodes import JobNodes, job_nodes
+from ds_odc.comm.remote import RemoteWindows
+from ds_odc.errors import ODCConfigError
 from ds_odc.runtime.core import ODCRuntime
+from ds_odc.runtime.cross_node_plan import CrossNodeChoice, resolve_cross_node
 from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.ledger import MicroBatchLedger
 from ds_odc.runtime.round_kinds import PROTOCOL_WORDING
@@ -55,6 +60,9 @@ class SessionPlan:
     #: deterministic accumulation: two fp64 regions per accumulator ([Note: exact sums]); accumulator_dtype ignored
     exact: bool = False
     ledger: MicroBatchLedger = field(default_factory=MicroBatchLedger)
+    #: zero_optimization.odc.cross_node ("replicate", "global", "auto") and node_replica_budget_gb
+    cross_node: str = "replicate"
+    replica_budget_gb: Optional[float] = None
 
     def layout(self, node_count: int) -> WindowLayout:
         layout = WindowLayout(node_count)
@@ -69,8 +77,14 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
                  nodes: Optional[JobNodes] = None) -> ODCRuntime:
     """Start ODC on every rank (collective; see the module docstring). ``on_open``: the open round's
     hook (publish shards written since). ``nodes``: the job's nodes when the caller found them already."""
-    nodes = nodes or job_nodes(plan.timeout_s)
-    layout = plan.layout(nodes.node_count)
+    if plan.cross_node != "replicate" and torch.device(plan.device).type != "cpu":
+        raise ODCConfigError(f"zero_optimization.odc.cross_node={plan.cross_node!r} runs on CPU hosts for now: on GPUs "
+                             "pulls and pushes across nodes need the NVSHMEM transport, which is validated only as an "
+                             "item of the GPU kit (docs/gpu.md); use 'replicate' (the default)")
+    nodes = nodes or job_nodes(plan.timeout_s, global_sharding=plan.cross_node != "replicate")
+    choice = cross_node_choice(plan, nodes) if nodes.node_count > 1 else None
+    spread = choice is not None and choice.mode == "global"  # one block per rank; owners on other nodes remote
+    layout = plan.layout(1 if spread else nodes.node_count)
     transport = create_transport(plan.transport, rank=nodes.local_rank, world_size=nodes.local_world,
                                  timeout_s=plan.timeout_s, device=plan.device, shm_dir=plan.shm_dir,
                                  stripe_numel=plan.stripe_numel, group=nodes.node_group,
@@ -83,10 +97,37 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
         transport.allocate(spec)
     except Exception as err:  # noqa: BLE001 - every node learns of it in the agreement below
         failure = err
+    remote = None
     try:
         nodes.agree(failure, "allocating its ODC windows")
         link = nodes.link(plan.timeout_s, transport.heartbeat)
+        if spread:
+            assert nodes.remote_group is not None
+            remote = RemoteWindows(nodes.remote_group, tdist.get_rank(), nodes.topology.world_size, plan.timeout_s,
+                                   window=transport.local_param_window,
+                                   add_own=lambda offset, grad: transport.accumulate(transport.rank, offset, grad),
+                                   cause=link.posted_failure)
     except BaseException:
         transport.close()
         raise
-    return ODCRuntime(transport, layout, plan.ledger, on_open=on_open, link=link, exact=plan.exact)
+    runtime = ODCRuntime(transport, layout, plan.ledger, on_open=on_open, link=link, exact=plan.exact, remote=remote,
+                         job_world=nodes.topology.world_size)
+    runtime.cross_node = choice
+    return runtime
+
+
+def cross_node_choice(plan: SessionPlan, nodes: JobNodes) -> CrossNodeChoice:
+    """How a job on several nodes holds its windows (``cross_node``; the same on every rank: pure arithmetic
+    on the plan). "auto" replicates while the replicated part fits ``node_replica_budget_gb`` and is global
+    otherwise: whole-layer replicas beside global shards (the planner's "budget") are not built yet, so
+    where only some layers would fit, the job is global and the reason says so."""
+    if plan.cross_node == "global" and nodes.remote_group is None:
+        raise ODCConfigError("cross_node 'global' without the job's group for pulls across nodes")
+    trainable = sum(s.numel for s in plan.trainable)
+    frozen = sum(s.numel for s in plan.frozen)
+    accumulator = 16 if plan.exact else plan.accumulator_dtype.itemsize
+    choice = resolve_cross_node(plan.cross_node, plan.replica_budget_gb, [("model", trainable, frozen)],
+                                nodes.node_count, nodes.local_world, plan.compute_dtype.itemsize, accumulator)
+    if choice.mode == "budget":  # a one-layer plan is all or nothing: kept only for the planner's wording
+        choice = dataclasses.replace(choice, mode="global", replicated_layers=())
+    return choice

@@ -190,10 +190,12 @@ class StepProtocol:
             self.machine.advance(Event.NORMED)
             self._note(Activity.UPDATING, force=True)
             update.apply(GlobalNorms(self.link.job_sum(rows.sum(0))))
-            self.link.gather_windows(self.transport.local_param_window(), self.blocks)
-            self.machine.advance(Event.UPDATED)
+            # zeroed before the other nodes are told the update is done: with global sharding their ranks push
+            # here as soon as they have published
             accumulator.zero_()
             self.folded = None
+            self.link.gather_windows(self.transport.local_param_window(), self.blocks)
+            self.machine.advance(Event.UPDATED)
             self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
             self.machine.advance(Event.PUBLISHED)
         self.step_number += 1
@@ -262,12 +264,14 @@ class StepProtocol:
         empty = torch.zeros(0, dtype=torch.float64)
         with self.failing_group(what):
             self.round(RoundKind.DISCARD, empty, what)
+            self.link.settle(what)  # pushes from other nodes (global sharding) have landed too
             accumulator = self.transport.local_grad_accumulator()
             self._discarded = accumulator.clone()
             accumulator.zero_()
             self.folded = None
             self.ledger.reset()
             self.round(RoundKind.DISCARD, empty, what)
+            self.link.settle(what)  # and no rank of another node pushes before every owner has zeroed
         self._note(Activity.IDLE if previous is Activity.MICRO_BATCHES else previous, force=True)
 
     @contextlib.contextmanager
