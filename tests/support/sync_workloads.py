@@ -13,7 +13,9 @@ from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
                "_all_gather_base", "_reduce_scatter_base", "all_reduce_coalesced", "all_gather_coalesced",
                "broadcast", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "reduce",
-               "gather", "scatter", "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv")
+               "gather", "scatter", "all_to_all_single", "all_to_all")
+#: point-to-point messages, counted apart (cross_node "global" pulls and pushes across nodes are made of them)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 class CollectiveCounter:
@@ -25,13 +27,15 @@ class CollectiveCounter:
         import torch.distributed.distributed_c10d as c10d
 
         self.count = 0
-        for name in COLLECTIVES:
+        self.messages = 0  # point-to-point
+        for name in COLLECTIVES + POINT_TO_POINT:
             original = getattr(tdist, name, None)
             if original is None:
                 continue
+            field = "messages" if name in POINT_TO_POINT else "count"
 
-            def counted(*args, __original=original, **kwargs):
-                self.count += 1
+            def counted(*args, __original=original, __field=field, **kwargs):
+                setattr(self, __field, getattr(self, __field) + 1)
                 return __original(*args, **kwargs)
 
             setattr(tdist, name, counted)
@@ -40,6 +44,10 @@ class CollectiveCounter:
 
     def take(self) -> int:
         value, self.count = self.count, 0
+        return value
+
+    def take_messages(self) -> int:
+        value, self.messages = self.messages, 0
         return value
 
 
@@ -51,14 +59,16 @@ def install_collective_counter():
     _counter = CollectiveCounter()
 
 
-def count_collectives(stage, layers, micro_batches, steps=3):
-    """Collectives issued in forward+backward and in each step, for one model size."""
+def count_collectives(stage, layers, micro_batches, steps=3, odc=None):
+    """Collectives issued in forward+backward and in each step, for one model size; point-to-point messages
+    apart (``messages``: in forward+backward, per step)."""
     counter = _counter
-    cfg = ds_config(stage, gas=micro_batches, stage3_param_persistence_threshold=0)
+    cfg = ds_config(stage, gas=micro_batches, stage3_param_persistence_threshold=0, **({"odc": odc} if odc else {}))
     engine, *_ = deepspeed.initialize(model=make_model(layers=layers), config=cfg)
     rank = tdist.get_rank()
     counter.take()
-    fwd_bwd, per_step, exchanges, pulls, pushes = [], [], [], [], []
+    counter.take_messages()
+    fwd_bwd, per_step, exchanges, pulls, pushes, messages = [], [], [], [], [], []
     runtime = getattr(engine.optimizer, "odc", None)
     transport = runtime.transport if runtime else None
     for step in range(steps):
@@ -76,6 +86,7 @@ def count_collectives(stage, layers, micro_batches, steps=3):
         engine.step()
         per_step.append(counter.take())
         fwd_bwd.append(inside)
+        messages.append(counter.take_messages())
         exchanges.append((transport.exchanges - before_exchanges) if transport else None)
         pulls.append((runtime.pulls - before_pulls) if runtime else None)
         pushes.append((runtime.pushes - before_pushes) if runtime else None)
@@ -83,7 +94,7 @@ def count_collectives(stage, layers, micro_batches, steps=3):
     every = sum(1 for p in engine.module.parameters())
     engine.destroy()
     return {"fwd_bwd": fwd_bwd, "step": per_step, "exchanges": exchanges, "pulls": pulls, "pushes": pushes,
-            "trainable_params": trainable, "params": every}
+            "trainable_params": trainable, "params": every, "messages": messages}
 
 
 # -- straggler --------------------------------------------------------------------------------------

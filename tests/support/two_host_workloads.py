@@ -119,9 +119,24 @@ CASES = {
     "uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"])),
     "uneven_token": ("train_uneven", lambda: ("odc", "token", UNEVEN["uneven_token"], 3, MASKED)),
 }
+# cross_node "global" (test_two_hosts_global.py): every rank holds its own 1/world; pulls and pushes cross nodes
+GLOBAL = {"cross_node": "global"}
+CASES.update({
+    "global_adam_gas3": ("train_pair", lambda: ([("odc", {"odc": {**GLOBAL, "accumulator_dtype": "fp64"}}),
+                                                 ("odc", {"odc": GLOBAL}), (3, {})], STEPS, 3)),
+    "global_bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True, "odc": GLOBAL}), (3, {"bf16": True}),
+                                                      (3, {})], STEPS, 1)),
+    "global_uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
+                                                         None, GLOBAL)),
+    "global_uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"], 3, (), 2, None,
+                                                       GLOBAL)),
+    "global_uneven_token": ("train_uneven", lambda: ("odc", "token", UNEVEN["uneven_token"], 3, MASKED, 2, None,
+                                                     GLOBAL)),
+})
 #: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
 UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
 MASKED = ((0, 1), (2, 0))  # (rank, micro-batch) carrying no loss token
+FROZEN_COUNTS = (2, 0, 1, 3)  # forwards per rank of a frozen engine (none on rank 1)
 #: offload_states / reload_states across nodes: every state, then the accumulator alone with gradients pushed
 OFFLOAD_CASE = {"counts": (1, 3, 2, 1), "bf16": True, "token": True, "mid_accumulation": True, "steps": 4,
                 "odc": {"accumulator_dtype": "fp64"}, "calls": {1: None, 2: ["lp_grads"]}}
@@ -135,13 +150,14 @@ def cases(names, out_dir):
     from tests.support import (
         checkpoint_workloads,
         deterministic_workloads,
+        global_workloads,
         offload_states_workloads,
         sync_workloads,
         workloads,
     )
 
     torch.set_num_threads(1)
-    counting = "collectives" in names.split(",")
+    counting = bool({"collectives", "global_collectives"} & set(names.split(",")))
     if counting:
         sync_workloads.install_collective_counter()  # before the process group, as the single-node test does
     deepspeed.init_distributed(dist_backend="gloo")
@@ -165,6 +181,23 @@ def cases(names, out_dir):
             result = offload_states_workloads.offload_round_trip(OFFLOAD_CASE)
         elif name == "deterministic":
             result = deterministic_workloads.train_twice(UNEVEN["uneven_token"], 3, "config", MASKED)
+        elif name == "global_collectives":
+            result = [sync_workloads.count_collectives("odc", layers, micro, odc=GLOBAL)
+                      for layers, micro in ((1, 1), (2, 1), (1, 2))]
+        elif name == "global_frozen":
+            # ZeRO-3's frozen engine gathers in lockstep: every rank runs the most forwards there
+            result = {"odc": global_workloads.frozen(FROZEN_COUNTS, "odc"),
+                      3: global_workloads.frozen((max(FROZEN_COUNTS),) * 4, 3)}
+        elif name == "global_bitwise":
+            result = global_workloads.bitwise(UNEVEN["uneven_unmanaged"])
+        elif name.startswith("global_kill_"):
+            global_workloads.killed(out_dir, 3, name[len("global_kill_"):])  # ends the process
+        elif name in ("global_stalled", "global_cut"):
+            getattr(global_workloads, name[len("global_"):])(out_dir)  # ends the process
+        elif name == "global_delayed":
+            result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
+        elif name in ("global_traffic", "global_memory", "global_refusals"):
+            result = getattr(global_workloads, name[len("global_"):])()
         else:
             workload, args = CASES[name]
             result = getattr(workloads, workload)(*args())

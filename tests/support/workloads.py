@@ -176,7 +176,7 @@ def train_pair(configs, steps=10, gas=1, model_kw=None, torch_style=False):
             for stage, kw in configs]
 
 
-def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None):
+def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None):
     """Ranks run ``counts[rank]`` micro-batches per step.
 
     mode "unmanaged": ``managed_gradient_accumulation: false``, ``engine.backward(loss)``;
@@ -185,7 +185,8 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None)
     micro-batch carries zero loss tokens."""
     rank = tdist.get_rank()
     managed = mode == "managed"
-    zero = {"odc": {"timeout_s": timeout_s}} if (timeout_s and stage == "odc") else {}
+    options = {**({"timeout_s": timeout_s} if timeout_s else {}), **(odc or {})}
+    zero = {"odc": options} if (options and stage == "odc") else {}
     cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, **zero)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     for step in range(steps):

@@ -1,0 +1,225 @@
+"""``cross_node: "global"`` on two real hosts (2 nodes x 2 ranks; see netns.py and test_two_hosts.py): every
+rank holds only its own 1/world of the windows, pulls and pushes reach owners on the other node one-sided
+(ds_odc/comm/remote.py), and the step moves no gradients or shards between nodes.
+
+One torchrun job runs every training case in turn (start-up is most of a case's time); the failure cases
+are launches of their own, by a launcher that leaves the survivors to find out."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.distributed.test_two_hosts import BIN, SCRIPT, TRAIN_TIMEOUT_S, _logs, _ports, hosts  # noqa: F401
+from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.netns import available
+from tests.support.two_host_workloads import MASKED, UNEVEN
+from tests.support.workloads import reference_training
+
+FP32_TOL = 1e-6  # the parity bars of test_two_hosts.py
+FP32_ARRIVAL_ORDER_TOL = 4e-6
+CASES = ("global_adam_gas3", "global_bf16_adam_gas1", "global_uneven_unmanaged", "global_uneven_managed",
+         "global_uneven_token", "global_collectives", "global_traffic", "global_memory", "global_refusals",
+         "global_frozen", "global_bitwise", "global_delayed")
+
+_ok, _reason = available()
+pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (network/mount/UTS namespaces): {_reason}")
+
+
+@pytest.fixture(scope="module")
+def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
+    out_dir = tmp_path_factory.mktemp("global_cases")
+    port = str(next(_ports))
+    argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
+              "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(CASES),
+              str(out_dir)] for i in range(2)]
+    results = hosts.run_on_both(argvs, timeout=300)
+    logs = _logs(results)
+    for result in results:
+        assert not result.timed_out and result.returncode == 0, logs
+    return {name: [torch.load(out_dir / f"{name}_rank{r}.pt", weights_only=False) for r in range(4)]
+            for name in CASES}
+
+
+def test_global_sharding_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases):
+    """Adam, accumulation 3: losses, full gradients and parameters of every step against ZeRO-3 on the same
+    4 ranks (fp64 accumulators: within ZeRO-3's own bar; fp32: within the arrival-order bar)."""
+    exact, default, zero3 = cases["global_adam_gas3"][0]
+    assert exact["engine"] == default["engine"] == "ODCEngine" and zero3["engine"] == "DeepSpeedEngine"
+    for rank_exact, rank_default, rank_zero3 in cases["global_adam_gas3"]:
+        for odc in (rank_exact, rank_default):
+            for a, b in zip(odc["losses"], rank_zero3["losses"], strict=True):
+                assert abs(a - b) <= FP32_TOL * max(abs(b), 1e-12), (a, b)
+    for step in range(len(zero3["params"])):
+        for run, grad_tol in ((exact, FP32_TOL), (default, FP32_ARRIVAL_ORDER_TOL)):
+            assert worst_rel_diff(run["grads"][step], zero3["grads"][step]) <= grad_tol, step
+            assert worst_rel_diff(run["params"][step], zero3["params"][step]) <= FP32_TOL, step
+    assert max_rel_diff(exact["params"][-1]["out.weight"], exact["params"][0]["out.weight"]) > 1e-4  # it trained
+
+
+def test_global_sharding_bf16_within_zero3_bf16_self_difference(cases):
+    odc, zero3, zero3_fp32 = cases["global_bf16_adam_gas1"][0]
+    for step in range(len(odc["params"])):
+        zero3_self = worst_rel_diff(zero3["params"][step], zero3_fp32["params"][step])
+        assert zero3_self > 0
+        assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= zero3_self, step
+
+
+@pytest.mark.parametrize("case", ("global_uneven_unmanaged", "global_uneven_managed", "global_uneven_token"))
+def test_global_sharding_uneven_counts_across_nodes_equal_single_process(cases, case):
+    """Ranks run (1, 3, 0, 2) and other counts, zero included, across the nodes: one process's training."""
+    mode = case.split("_")[2]
+    counts = UNEVEN[case[len("global_"):]]
+    expected = reference_training(mode, counts, masked=MASKED if mode == "token" else ())
+    for rank, result in enumerate(cases[case]):
+        diff = worst_rel_diff(result["params"], expected)
+        assert diff <= FP32_TOL, f"{case} {counts}, rank {rank}: {diff:.2e} from the single-process reference"
+        assert result["phase"] == "idle"
+
+
+def test_no_pull_sees_an_owner_mid_update_and_no_update_precedes_a_push_sent_to_it(cases):
+    """Rank 3's updates are slowed and so is its serving of pushes from the other node: a rank that pulled
+    before the owner had updated, or an owner that updated before every push had landed, would train away from
+    one process (uneven counts, zero included)."""
+    expected = reference_training("unmanaged", UNEVEN["uneven_unmanaged"])
+    for rank, result in enumerate(cases["global_delayed"]):
+        assert worst_rel_diff(result["params"], expected) <= FP32_TOL, rank
+
+
+def test_global_and_replicate_give_the_same_bits_under_deterministic_sums(cases):
+    """odc.deterministic sums in an order-free way, so the two layouts, whose pushes arrive in different orders
+    and are summed in different places (a node's accumulator then a reduce-scatter, or the owner's directly),
+    must produce the same parameters bit for bit, uneven counts included."""
+    for rank, result in enumerate(cases["global_bitwise"]):
+        replicate, spread = result["replicate"], result["global"]
+        assert set(replicate) == set(spread)
+        assert all(torch.equal(replicate[name], spread[name]) for name in replicate), rank
+
+
+def test_global_sharding_runs_no_collective_in_forward_or_backward(cases):
+    """After the open round, forward and backward issue no collective: the pulls and pushes across nodes are
+    point-to-point messages (counted apart); the step keeps four small collectives on the cross-node group
+    (counts, a barrier standing for the gradient sum, the norm, a barrier standing for the shards' gather)."""
+    for rank, runs in enumerate(cases["global_collectives"]):
+        for run in runs:
+            assert run["fwd_bwd"][1:] == [0, 0], (rank, run)
+            assert run["step"] == [4, 4, 4], (rank, run)
+            assert all(messages > 0 for messages in run["messages"]), (rank, run)
+
+
+def test_bytes_across_nodes_are_the_remote_owners_shards_of_what_was_pulled_and_pushed(cases):
+    """The remote transport's byte counters against the layout: a rank reads from the other node exactly the
+    shards its owners there hold of each parameter it pulled, and pushes exactly their part of each gradient;
+    over the whole model that part is about (N-1)/N = 1/2 of every parameter (the formula of docs/multinode.md)."""
+    for rank, result in enumerate(cases["global_traffic"]):
+        assert result["pulled"] > 0 and result["pushed"] > 0, result
+        assert result["bytes_read"] == result["expected_read"], (rank, result)
+        assert result["bytes_pushed"] == result["expected_pushed"], (rank, result)
+        assert 0.4 <= result["remote_of_every_param"] / result["params"] <= 0.6, result
+        assert result["served"][0] > 0 and result["served"][1] > 0, result
+
+
+def test_global_sharding_holds_one_world_share_per_rank_as_zero3_does(cases):
+    """Window, accumulator and optimizer state are each 1/world of the model (bf16 window, fp32 accumulator,
+    Adam), from what every rank allocated: ZeRO-3's partitions, not a node's."""
+    for result in cases["global_memory"]:
+        world = result["world"]
+        shard = lambda numel, world=world: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
+        trainable = sum(shard(n) for n in result["trainable"])
+        frozen = sum(shard(n) for n in result["frozen"])
+        assert result["window_bytes"] == 2 * (trainable + frozen), result
+        assert result["accumulator_bytes"] == 4 * trainable, result
+        assert result["optimizer_bytes"] == 12 * trainable, result
+
+
+def test_frozen_engine_with_global_sharding_pulls_across_nodes_as_zero3_gathers(cases):
+    """A frozen engine (no optimizer), ranks running 2, 0, 1 and 3 forwards: ZeRO-3's outputs."""
+    for rank, result in enumerate(cases["global_frozen"]):
+        odc, zero3 = result["odc"], result[3]
+        assert odc["engine"] == "ODCEngine" and len(odc["outputs"]) == (2, 0, 1, 3)[rank]
+        for a, b in zip(odc["outputs"], zero3["outputs"]):  # the same inputs, in the same order
+            assert torch.equal(a, b), rank
+
+
+def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):
+    for rank, result in enumerate(cases["global_refusals"]):
+        error, message = result["offload_states"]
+        assert error == "ODCConfigError" and "cross_node='global'" in message, (rank, message)
+        assert result["phase"] == "idle"
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_remote_owner_killed_mid_pull_or_mid_push_is_named_by_every_rank(hosts, tmp_path, where):  # noqa: F811
+    """Rank 3 (node 1) is SIGKILLed before step 1's pulls, or after its forward (the others' pushes into it
+    then fail). Every survivor, on both nodes, raises naming rank 3 within seconds, and both /dev/shm are empty
+    after engine.destroy()."""
+    out_dir = tmp_path / where
+    out_dir.mkdir()
+    port = str(next(_ports))
+    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases",
+              f"global_kill_{where}", str(out_dir)] for i in range(2)]
+    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S)
+    logs = _logs(results)
+    assert not any(result.timed_out for result in results), logs
+    assert all((out_dir / f"{where}_rank{r}.json").exists() for r in (0, 1, 2)), logs
+    reports = {r: json.loads((out_dir / f"{where}_rank{r}.json").read_text()) for r in (0, 1, 2)}
+    for r, report in reports.items():
+        assert report["error"] in ("ODCPeerError", "ODCGroupFailedError"), (r, report, logs)
+        assert "rank 3" in report["message"], (r, report)
+        assert report["waited_s"] < 20, (r, report)
+        assert report["shm"] == [], (r, report)
+    assert {report["host"] for report in reports.values()} == {"node0", "node1"}
+
+
+def _launch_failure(hosts, tmp_path, case):  # noqa: F811
+    out_dir = tmp_path / case
+    out_dir.mkdir()
+    port = str(next(_ports))
+    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", case,
+              str(out_dir)] for i in range(2)]
+    return out_dir, hosts.start_on_both(argvs)
+
+
+def test_a_stalled_remote_owner_is_named_by_every_rank_within_the_bound(hosts, tmp_path):  # noqa: F811
+    """Rank 3 stops (SIGSTOP) before step 1: the others' pulls from it and their rounds wait timeout_s (5 s),
+    then every survivor raises naming rank 3; both /dev/shm empty."""
+    out_dir, procs = _launch_failure(hosts, tmp_path, "global_stalled")
+    results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
+    logs = _logs(results)
+    assert all((out_dir / f"stalled_rank{r}.json").exists() for r in (0, 1, 2)), logs
+    reports = {r: json.loads((out_dir / f"stalled_rank{r}.json").read_text()) for r in (0, 1, 2)}
+    for r, report in reports.items():
+        assert report["error"] in ("ODCPeerError", "ODCTimeoutError", "ODCGroupFailedError"), (r, report, logs)
+        assert "rank 3" in report["message"], (r, report)
+        assert report["waited_s"] < 25, (r, report)  # timeout_s 5, plus the wait for the cause
+        assert report["shm"] == [], (r, report)
+
+
+def test_a_cut_network_between_nodes_fails_every_rank_within_the_bound(hosts, tmp_path):  # noqa: F811
+    """After step 0 the veth between the hosts goes down: step 1's pulls across nodes never complete. Every rank
+    of both nodes raises within a bound set by timeout_s (5 s), naming a rank of the other node or the store it
+    cannot reach, and leaves its node's /dev/shm empty. The link is brought back up for the next test."""
+    import subprocess
+    import time
+
+    out_dir, procs = _launch_failure(hosts, tmp_path, "global_cut")
+    end = time.monotonic() + 90
+    while not all((out_dir / f"ready_rank{r}").exists() for r in range(4)) and time.monotonic() < end:
+        time.sleep(0.05)
+    host = hosts.hosts[1]
+    subprocess.run(["ip", "-n", host.netns, "link", "set", host.ifname, "down"], check=True, timeout=10)
+    try:
+        (out_dir / "cut").write_text("")
+        results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
+    finally:
+        subprocess.run(["ip", "-n", host.netns, "link", "set", host.ifname, "up"], check=True, timeout=10)
+    logs = _logs(results)
+    assert all((out_dir / f"cut_rank{r}.json").exists() for r in range(4)), logs
+    reports = {r: json.loads((out_dir / f"cut_rank{r}.json").read_text()) for r in range(4)}
+    for r, report in reports.items():
+        assert report["error"] in ("ODCPeerError", "ODCTimeoutError", "ODCGroupFailedError"), (r, report, logs)
+        other = (2, 3) if r < 2 else (0, 1)
+        assert any(f"rank {o}" in report["message"] for o in other) or "store" in report["message"], (r, report)
+        assert report["waited_s"] < 40, (r, report)
+        assert report["shm"] == [], (r, report)

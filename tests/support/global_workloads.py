@@ -1,0 +1,286 @@
+"""What the ranks of test_two_hosts_global.py run (``cross_node: "global"`` on 2 nodes x 2 ranks), inside
+two_host_workloads.py's ``cases`` job: each function returns what the test compares."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import deepspeed
+import torch
+import torch.distributed as tdist
+
+from ds_odc.runtime.layout import owner_slices
+from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+
+GLOBAL = {"cross_node": "global"}
+SHM = "/dev/shm"
+
+
+def _runtime(engine):
+    return getattr(engine, "odc_runtime", None) or engine.optimizer.odc
+
+
+def remote_elements(runtime, key: int) -> int:
+    """Elements of parameter ``key`` whose owners are on another node than this rank's."""
+    slot = runtime.layout.slots[key]
+    local_world = runtime.transport.world_size
+    return sum(count for owner, _, count in owner_slices(slot.numel, slot.shard_numel, runtime.world_size)
+               if owner // local_world != runtime.node)
+
+
+def traffic() -> dict:
+    """One micro-batch and step with every parameter pulled on demand (persistence threshold 0), after a first
+    one (the open round): the bytes this rank read from and pushed to other nodes, against what the layout says
+    they must be for the parameters it pulled and pushed (recorded by wrapping the runtime's own calls)."""
+    cfg = ds_config("odc", stage3_param_persistence_threshold=0, odc=GLOBAL)
+    engine, *_ = deepspeed.initialize(model=make_model(layers=2), config=cfg)
+    runtime = _runtime(engine)
+    pulled, pushed = [], []
+    pull_many, push = runtime.pull_many, runtime.push
+
+    def recording_pull_many(keys, outs):
+        pulled.extend(keys)
+        return pull_many(keys, outs)
+
+    def recording_push(key, grad):
+        pushed.append(key)
+        return push(key, grad)
+
+    runtime.pull_many, runtime.push = recording_pull_many, recording_push
+    rank = tdist.get_rank()
+    for step in range(2):
+        if step == 1:
+            remote = runtime.remote
+            before = (remote.bytes_read, remote.bytes_pushed)
+            pulled.clear()
+            pushed.clear()
+        x, y, _ = micro_batch(step, rank, 0)
+        engine.backward(mse_mean(engine(x), y))
+        engine.step()
+    element = engine.optimizer.lp_param_buffer.element_size()
+    result = {
+        "bytes_read": remote.bytes_read - before[0], "bytes_pushed": remote.bytes_pushed - before[1],
+        "expected_read": sum(remote_elements(runtime, key) for key in pulled) * element,
+        "expected_pushed": sum(remote_elements(runtime, key) for key in pushed) * element,
+        "pulled": len(pulled), "pushed": len(pushed),
+        "params": sum(p.ds_numel for p in engine.module.parameters()),
+        "remote_of_every_param": sum(remote_elements(runtime, p.ds_id) for p in engine.module.parameters()),
+        "served": (remote.served_reads, remote.served_pushes),
+    }
+    engine.destroy()
+    return result
+
+
+def memory() -> dict:
+    """What this rank allocated under global sharding (bf16 model, Adam), with the model's element counts."""
+    engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=ds_config("odc", bf16=True,
+                                                                                                odc=GLOBAL))
+    x, y, _ = micro_batch(0, tdist.get_rank(), 0)
+    engine.backward(mse_mean(engine(x.to(torch.bfloat16)), y))
+    engine.step()
+    transport = engine.optimizer.odc.transport
+    window, accumulator = transport.local_param_window(), transport.local_grad_accumulator()
+    masters = engine.optimizer.fp32_partitioned_groups_flat
+    state = sum(t.numel() * t.element_size() for s in engine.optimizer.optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    result = {"window_bytes": window.numel() * window.element_size(),
+              "accumulator_bytes": accumulator.numel() * accumulator.element_size(),
+              "optimizer_bytes": sum(m.numel() * m.element_size() for m in masters) + state,
+              "trainable": [p.ds_numel for p in engine.module.parameters() if p.requires_grad],
+              "frozen": [p.ds_numel for p in engine.module.parameters() if not p.requires_grad],
+              "world": tdist.get_world_size()}
+    engine.destroy()
+    return result
+
+
+def refusals() -> dict:
+    """What is not supported with global sharding yet is refused by name on every rank, and the engine goes on."""
+    from tests.support.offload_states_workloads import _config
+
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", odc=GLOBAL))
+    x, y, _ = micro_batch(0, tdist.get_rank(), 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    result = {}
+    try:
+        engine.offload_states()
+        result["offload_states"] = None
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result["offload_states"] = (type(err).__name__, str(err))
+    engine.backward(mse_mean(engine(x), y))  # still usable
+    engine.step()
+    result["phase"] = engine.odc_phase.value
+    engine.destroy()
+    return result
+
+
+def frozen(counts, stage) -> dict:
+    """A frozen engine (no optimizer), ``counts[rank]`` forwards of the same inputs on each rank."""
+    from tests.support.frozen_workloads import frozen_config
+
+    rank = tdist.get_rank()
+    config = frozen_config(stage, **GLOBAL) if stage == "odc" else frozen_config(stage)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+    outputs = []
+    with torch.no_grad():
+        for index in range(counts[rank]):
+            x, _, _ = micro_batch(0, 0, index)
+            outputs.append(engine(x).clone())
+    engine.destroy()
+    return {"outputs": outputs, "engine": type(engine).__name__}
+
+
+def bitwise(counts, steps=3) -> dict:
+    """Deterministic sums (order-free) under replicate and under global sharding: the same parameters."""
+    from tests.support.workloads import train_uneven
+
+    replicate = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True})
+    spread = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True, **GLOBAL})
+    return {"replicate": replicate["params"], "global": spread["params"]}
+
+
+def killed(out_dir: str, victim: int, where: str) -> None:
+    """Rank ``victim`` (node 1) is SIGKILLed at ``where`` of step 1 ("forward": before its pulls; "backward":
+    after its forward, so that the others' pushes into it fail); every other rank reports the error it raised,
+    how long after the kill it waited, and its node's /dev/shm after ``engine.destroy()``."""
+    import signal
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc={"timeout_s": 60, **GLOBAL},
+                                                                         stage3_param_persistence_threshold=0))
+    x, y, _ = micro_batch(0, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    tdist.barrier()
+    x, y, _ = micro_batch(1, rank, 0)
+    if rank == victim and where == "forward":
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    result: dict = {"error": None}
+    try:
+        loss = mse_mean(engine(x), y)
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        engine.backward(loss)
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    engine.destroy()
+    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    _report(out_dir, where, result, [r for r in range(tdist.get_world_size()) if r != victim])
+    os._exit(0)
+
+
+
+
+def _report(out_dir: str, name: str, result: dict, survivors) -> None:
+    """Write this rank's ``result``, then wait (bounded) for every survivor's: rank 0 holds the job's store."""
+    import json
+
+    rank = tdist.get_rank()
+    path = os.path.join(out_dir, f"{name}_rank{rank}.json")
+    with open(path + ".tmp", "w") as out:
+        json.dump(result, out)
+    os.replace(path + ".tmp", path)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not all(os.path.exists(os.path.join(out_dir, f"{name}_rank{r}.json"))
+                                             for r in survivors):
+        time.sleep(0.05)
+
+
+def delayed(counts, steps: int = 3) -> dict:
+    """Rank 3's updates are slowed (0.5 s before it writes its shards) and so are the pushes it serves from the
+    other node (0.05 s each before the add): other ranks must neither pull a shard before its owner has
+    updated it nor see an owner update before every push sent to it has landed. Unmanaged mode, uneven counts;
+    returns the parameters (the test compares them with one process's)."""
+    rank = tdist.get_rank()
+    cfg = ds_config("odc", managed=False, stage3_param_persistence_threshold=0, odc=GLOBAL)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    runtime = _runtime(engine)
+    if rank == 3:
+        step, serve_push = runtime.step, runtime.remote._serve_push
+
+        def slow_step(update):
+            apply = update.apply
+
+            def slow_apply(norms):
+                time.sleep(0.5)
+                return apply(norms)
+
+            update.apply = slow_apply
+            return step(update)
+
+        def slow_serve_push(*args):
+            time.sleep(0.05)
+            return serve_push(*args)
+
+        runtime.step, runtime.remote._serve_push = slow_step, slow_serve_push
+    for step_index in range(steps):
+        for index in range(counts[rank]):
+            x, y, _ = micro_batch(step_index, rank, index)
+            engine.backward(mse_mean(engine(x), y))
+        engine.step()
+    result = {"params": full_params(engine)}
+    engine.destroy()
+    return result
+
+
+def stalled(out_dir: str, victim: int = 3, timeout_s: float = 5.0) -> None:
+    """Rank ``victim`` stops (SIGSTOP, resumed 30 s later) before step 1's forward: the others' pulls from it
+    and their rounds wait ``timeout_s``, then every survivor raises naming it."""
+    import signal
+    import subprocess
+
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
+        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
+    x, y, _ = micro_batch(0, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    tdist.barrier()
+    if rank == victim:
+        subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    result: dict = {"error": None}
+    try:
+        x, y, _ = micro_batch(1, rank, 0)
+        engine.backward(mse_mean(engine(x), y))
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    engine.destroy()
+    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    if rank != victim:
+        _report(out_dir, "stalled", result, [r for r in range(tdist.get_world_size()) if r != victim])
+    os._exit(0)
+
+
+def cut(out_dir: str, timeout_s: float = 5.0) -> None:
+    """After step 0, every rank says so (``ready_rank<r>``) and waits for the test to cut the link between the
+    nodes (``cut`` file); then step 1: every rank raises within a bound, naming a rank of the other node or the
+    unreachable store, and leaves its /dev/shm empty."""
+    rank = tdist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
+        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
+    x, y, _ = micro_batch(0, rank, 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    tdist.barrier()
+    open(os.path.join(out_dir, f"ready_rank{rank}"), "w").close()
+    end = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out_dir, "cut")) and time.monotonic() < end:
+        time.sleep(0.05)
+    start = time.monotonic()
+    result: dict = {"error": None}
+    try:
+        x, y, _ = micro_batch(1, rank, 0)
+        engine.backward(mse_mean(engine(x), y))
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    engine.destroy()
+    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    _report(out_dir, "cut", result, [])  # no waiting: node 1 cannot reach the store any more
+    os._exit(0)
