@@ -27,7 +27,7 @@ from ds_odc.comm.nodes import JobNodes, job_nodes
 from ds_odc.comm.remote import RemoteWindows
 from ds_odc.errors import ODCConfigError
 from ds_odc.runtime.core import ODCRuntime
-from ds_odc.runtime.cross_node_plan import CrossNodeChoice, resolve_cross_node
+from ds_odc.runtime.cross_node_plan import CrossNodeChoice, ModelStates, resolve_cross_node
 from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.ledger import MicroBatchLedger
 from ds_odc.runtime.round_kinds import PROTOCOL_WORDING
@@ -128,6 +128,19 @@ def cross_node_choice(plan: SessionPlan, nodes: JobNodes) -> CrossNodeChoice:
     accumulator = 16 if plan.exact else plan.accumulator_dtype.itemsize
     choice = resolve_cross_node(plan.cross_node, plan.replica_budget_gb, [("model", trainable, frozen)],
                                 nodes.node_count, nodes.local_world, plan.compute_dtype.itemsize, accumulator)
-    if choice.mode == "budget":  # a one-layer plan is all or nothing: kept only for the planner's wording
-        choice = dataclasses.replace(choice, mode="global", replicated_layers=())
+    if plan.cross_node == "auto" and choice.mode != "replicate":  # one unit: all or nothing
+        states = ModelStates(trainable + frozen, trainable, nodes.local_world, nodes.node_count,
+                             plan.compute_dtype.itemsize, accumulator)
+        full, shared = states.replicate().total, states.global_sharded().total
+        choice = dataclasses.replace(choice, mode="global", replicated_layers=(), bytes_per_rank=shared, reason=(
+            f"auto: replicate would hold {_size(full)} of model states per rank, {_size(full - shared)} beyond "
+            f"global's {_size(shared)}, over node_replica_budget_gb={plan.replica_budget_gb:g}: global"))
     return choice
+
+
+def _size(count: float) -> str:
+    """Bytes in the largest unit that keeps them above 1 (the log speaks of 70B models and of test models)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count:.0f} B"

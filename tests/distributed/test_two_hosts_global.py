@@ -21,7 +21,7 @@ FP32_TOL = 1e-6  # the parity bars of test_two_hosts.py
 FP32_ARRIVAL_ORDER_TOL = 4e-6
 CASES = ("global_adam_gas3", "global_bf16_adam_gas1", "global_uneven_unmanaged", "global_uneven_managed",
          "global_uneven_token", "global_collectives", "global_traffic", "global_memory", "global_refusals",
-         "global_frozen", "global_bitwise", "global_delayed")
+         "global_frozen", "global_bitwise", "global_delayed", "global_auto")
 
 _ok, _reason = available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (network/mount/UTS namespaces): {_reason}")
@@ -140,6 +140,14 @@ def test_frozen_engine_with_global_sharding_pulls_across_nodes_as_zero3_gathers(
         assert odc["engine"] == "ODCEngine" and len(odc["outputs"]) == (2, 0, 1, 3)[rank]
         for a, b in zip(odc["outputs"], zero3["outputs"]):  # the same inputs, in the same order
             assert torch.equal(a, b), rank
+
+
+def test_auto_replicates_within_the_budget_and_shards_globally_beyond_it_saying_why(cases):
+    for rank, result in enumerate(cases["global_auto"]):
+        assert result["no_budget"][0] == "replicate" and not result["no_budget"][2], (rank, result)
+        assert result["large"][0] == "replicate" and not result["large"][2], (rank, result)
+        mode, reason, remote = result["small"]
+        assert mode == "global" and remote and "budget" in reason and "global" in reason, (rank, reason)
 
 
 def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):

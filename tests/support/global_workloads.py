@@ -284,3 +284,20 @@ def cut(out_dir: str, timeout_s: float = 5.0) -> None:
     result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
     _report(out_dir, "cut", result, [])  # no waiting: node 1 cannot reach the store any more
     os._exit(0)
+
+
+def auto() -> dict:
+    """cross_node "auto" without a budget, with one too small for the replicated part, and with a large one: what
+    each resolved to (mode, the logged reason, whether owners on the other node are reached remotely), after a
+    step that trains."""
+    outcome = {}
+    for name, budget in (("no_budget", None), ("small", 1e-9), ("large", 1000.0)):
+        options = {"cross_node": "auto", **({"node_replica_budget_gb": budget} if budget else {})}
+        engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=options))
+        x, y, _ = micro_batch(0, tdist.get_rank(), 0)
+        engine.backward(mse_mean(engine(x), y))
+        engine.step()
+        runtime = _runtime(engine)
+        outcome[name] = (runtime.cross_node.mode, runtime.cross_node.reason, runtime.remote is not None)
+        engine.destroy()
+    return outcome

@@ -196,7 +196,7 @@ def cases(names, out_dir):
             getattr(global_workloads, name[len("global_"):])(out_dir)  # ends the process
         elif name == "global_delayed":
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
-        elif name in ("global_traffic", "global_memory", "global_refusals"):
+        elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto"):
             result = getattr(global_workloads, name[len("global_"):])()
         else:
             workload, args = CASES[name]
