@@ -1,4 +1,7 @@
-"""The "odc" stage in a ds_config, and its options.
+"""The "odc" stage in a ds_config, and its options: :class:`ODCConfig` (the fields of ``zero_optimization.odc``
+and their cross-field checks) and the routing of a ds_config that asks for the stage to its canonical form.
+The option blocks nested in ODCConfig (``balance``, ``activation_offload``, ``timeline``) are in
+:mod:`ds_odc.config_options`, re-exported here.
 
 Three ways to ask for it, all ending in the same canonical form:
 
@@ -19,12 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# the nested option blocks, re-exported: ``from ds_odc.config import BalanceConfig`` keeps working
+from ds_odc.config_options import ActivationOffloadConfig, BalanceConfig, QuadraticCost, TimelineConfig
 from ds_odc.errors import ODCConfigError
 from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF
+
+__all__ = ["ENV_EXPERIMENTAL_FP16", "ENV_OPTIONS", "ENV_SWITCH", "MARKER_KEY", "ODC_STAGE", "ActivationOffloadConfig",
+           "BalanceConfig", "ODCConfig", "QuadraticCost", "TimelineConfig", "canonicalize", "env_switch",
+           "is_odc_config", "parse_options", "stage_three"]
 
 ODC_STAGE = ODC
 MARKER_KEY = ODC
@@ -34,120 +43,6 @@ ENV_OPTIONS = "DS_ODC_OPTIONS"
 #: fp16 on CPU, and no GPU run has validated it yet); the GPU kit's ``fp16`` item sets it to compare against
 #: ZeRO-3's fp16 with an overflow step (docs/gpu.md). The refusal goes once that item passes.
 ENV_EXPERIMENTAL_FP16 = "DS_ODC_EXPERIMENTAL_FP16"
-
-
-class QuadraticCost(BaseModel):
-    """``a·x² + b·x`` per sample with ``x = length / length_unit`` (plus a fixed cost per micro-batch)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    a: Annotated[float, Field(ge=0)]
-    """Coefficient of the squared length (attention). At least 0."""
-
-    b: Annotated[float, Field(ge=0)]
-    """Coefficient of the length (everything linear in tokens). At least 0; a and b not both 0."""
-
-    length_unit: Annotated[float, Field(gt=0)] = 1.0
-    """Lengths are divided by this before the formula (a published fit is often per 32K tokens).
-    Default 1."""
-
-    per_micro_batch: Annotated[float, Field(ge=0)] = 0.0
-    """Fixed cost of one micro-batch, in the unit of the formula (launches, pulls). Default 0."""
-
-    @field_validator("b")
-    @classmethod
-    def _not_both_zero(cls, value: float, info) -> float:
-        if value == 0 and info.data.get("a") == 0:
-            raise ValueError("a and b are both 0: every sample would cost nothing")
-        return value
-
-
-class BalanceConfig(BaseModel):
-    """The Hugging Face Trainer's micro-batches planned by ``ds_odc.balance`` (docs/balancing.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    policy: Literal["lb-mini", "lb-micro", "lb-mini-split"] = "lb-mini"
-    """"lb-mini": each rank gets an equal share of the step's compute and runs it as its own number of
-    micro-batches (zero allowed). "lb-micro": every rank runs the same number of micro-batches, balanced
-    index by index (the equal-count baseline). "lb-mini-split": as "lb-mini", but a long sample may run
-    split over an aligned group of ranks with Ulysses attention (groups chosen per step, up to max_group;
-    packed micro-batches, per-token loss; docs/balancing.md). Default "lb-mini"."""
-
-    token_cap: Annotated[int, Field(ge=1)]
-    """Most tokens in one micro-batch, as the data collator produces it (a padded micro-batch counts its
-    padded size). Required. A sample longer than the cap is an error naming it, but for "lb-mini-split", where it
-    runs split over the smallest group that brings each member under the cap (up to max_group × token_cap)."""
-
-    cost_model: Union[Literal["tokens", "measure"], QuadraticCost] = "tokens"
-    """What a sample costs: "tokens" (its token count), {"a": ..., "b": ...} (``a·s² + b·s``), or
-    "measure" (fitted once at the start of training from timed forward+backward passes of this model on
-    this machine at several lengths up to token_cap, the same fit on every rank, logged). Default "tokens"."""
-
-    padding: Literal["auto", "padded", "packed"] = "auto"
-    """How the data collator lays out a micro-batch: "padded" (every sample padded to the longest: n·L
-    tokens), "packed" (samples concatenated, as padding-free collators do: Σ lengths), or "auto" (decided
-    by collating two samples of different lengths once). Default "auto"."""
-
-    pad_to_multiple_of: Annotated[int, Field(ge=1)] = 1
-    """With "padded": the collator's pad_to_multiple_of, so the plan prices the padded length. Default 1."""
-
-    length_key: str = "input_ids"
-    """The field of a dataset item whose length is the sample's token count. Default "input_ids"."""
-
-    max_group: Optional[Literal[2, 4, 8]] = None
-    """With "lb-mini-split": the most ranks one sample is split over (2, 4 or 8; groups are aligned blocks inside
-    a node). The model's heads must allow it (query heads divisible by it, key/value heads dividing it or
-    divisible by it): initialize refuses a group they do not allow, naming the heads. Default null: the largest
-    the heads allow, at most 8. Only with "lb-mini-split"."""
-
-    min_chunk_tokens: Annotated[int, Field(ge=1)] = 2048
-    """With "lb-mini-split": the fewest tokens each member of a split micro-batch holds, so no sample shorter than
-    twice this is split on its own (a sample longer than token_cap is split regardless). Default 2048; at least 1.
-    Only with "lb-mini-split"."""
-
-    @field_validator("max_group", "min_chunk_tokens")
-    @classmethod
-    def _split_only(cls, value, info):
-        policy = info.data.get("policy")
-        default = cls.model_fields[info.field_name].default
-        if value != default and policy != "lb-mini-split":
-            raise ValueError(f"only with policy 'lb-mini-split' (policy is {policy!r})")
-        return value
-
-
-class ActivationOffloadConfig(BaseModel):
-    """Saved activations copied to one host pool per micro-batch, as much as keeps the rest under a budget
-    (docs/activation_offload.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    budget_mb: Annotated[float, Field(ge=0)]
-    """Activation memory (MiB) a micro-batch may keep on the device. A micro-batch whose estimated saved
-    activations (its tokens × the bytes per token calibrated on the first micro-batch) fit is left alone;
-    a longer one offloads its first saved tensors (the first layers', alive longest) until the rest fits.
-    0: offload everything the mode allows. Required; at least 0."""
-
-    mode: Literal["all", "checkpoint_inputs"] = "all"
-    """Which saved tensors may go to the host: "all" (every saved activation; never parameters or ZeRO-3's
-    gathered parameter buffers) or "checkpoint_inputs" (only the inputs saved by activation checkpointing's
-    reentrant CheckpointFunction, torch's or DeepSpeed's, as ALST does). Default "all"."""
-
-
-class TimelineConfig(BaseModel):
-    """Every rank's busy/idle spans of chosen steps, written as a Chrome / Perfetto trace (docs/metrics.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    path: Annotated[str, Field(min_length=1)]
-    """The trace file rank 0 writes (JSON, the format PyTorch's profiler writes: open it in Perfetto or
-    chrome://tracing; ``python -m ds_odc timeline PATH -o timeline.png`` draws it). Its directory is created.
-    Rewritten after each chosen step, so it always holds the chosen steps run so far. Required."""
-
-    steps: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=64)]
-    """The optimizer steps to record, as ``engine.global_steps`` counts them after each step (the first step is
-    1; the Trainer's ``global_step`` and the monitor's x-axis count the same). Each chosen step costs one gather of
-    every rank's spans to rank 0 after it (``torch.distributed``, not an ODC round). Required; 1 to 64 steps."""
 
 
 class ODCConfig(BaseModel):
@@ -186,20 +81,23 @@ class ODCConfig(BaseModel):
     summed into one element span less than about 2**29 in magnitude, so runs usually repeat bit for bit,
     but that is not guaranteed (``deterministic`` is)."""
 
-    cross_node: Literal["replicate", "global", "auto"] = "replicate"
+    cross_node: Literal["replicate", "global", "budget", "auto"] = "replicate"
     """How a job on several nodes holds parameters and gradient accumulators (docs/multinode.md). "replicate"
-    (default): the ranks of each node hold every shard between them (window and accumulator ``n_nodes`` times
-    ZeRO-3's partitions); pulls and pushes stay in the node and nodes exchange once per step, the least
-    cross-node traffic. "global": every rank holds only its own ``1/world``, ZeRO-3's memory; pulls and pushes
-    reach owners on other nodes one-sided (about ``6P(N-1)/N`` bytes per micro-batch per rank, bf16), and the
-    step moves no gradients or shards between nodes. CPU hosts for now (refused on GPUs by name).
-    "auto": "replicate" while its replicated part fits ``node_replica_budget_gb`` (or no budget is given),
-    "global" otherwise, saying which and why in the log. On one node every value is the same."""
+    (default): the ranks of each node hold the whole model's parameter window and accumulator between them (per
+    rank ``n_nodes`` times ZeRO-3's partitions); pulls and pushes stay in the node and nodes exchange once per
+    step, the least cross-node traffic. "global": every rank holds only its own ``1/world`` of parameters and
+    accumulators, ZeRO-3's memory; pulls and pushes reach owners on other nodes one-sided (about ``6P(N-1)/N``
+    bytes per micro-batch per rank, bf16), and the step needs no gradient or parameter collective. "budget":
+    whole layers, first in forward order, kept as node-local copies (refreshed at the step, as "replicate") within
+    ``node_replica_budget_gb``, the rest global. "auto": "replicate" when its replicated part fits
+    ``node_replica_budget_gb`` (or no budget is given), otherwise "budget" or "global", saying which and why in
+    the log. On one node every value is the same (nothing crosses nodes). Values other than "replicate" run on
+    CPU hosts for now (refused on GPUs by name)."""
 
     node_replica_budget_gb: Optional[Annotated[float, Field(gt=0)]] = None
-    """With ``cross_node`` "auto": GiB per rank the replicated part of model states may take beyond global
-    sharding (node copies of other nodes' shards and accumulators). Default null (auto then replicates).
-    Refused with "replicate" or "global"."""
+    """GiB per rank the replicated part of model states may take: node-local parameter copies and accumulators
+    beyond the rank's own ``1/world``. Required by ``cross_node`` "budget", used by "auto" (which replicates
+    without it); refused with "replicate" or "global", which would ignore it. Default null; more than 0."""
 
     deterministic: Optional[bool] = None
     """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
@@ -257,9 +155,12 @@ class ODCConfig(BaseModel):
         if self.deterministic and "accumulator_dtype" in self.model_fields_set:
             raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
                              f"accumulator_dtype={self.accumulator_dtype!r} out")
-        if self.node_replica_budget_gb is not None and self.cross_node != "auto":
-            raise ValueError(f"node_replica_budget_gb applies to cross_node 'auto', not {self.cross_node!r}: leave "
-                             "the budget out, or set cross_node 'auto'")
+        if self.cross_node == "budget" and self.node_replica_budget_gb is None:
+            raise ValueError("cross_node 'budget' needs node_replica_budget_gb (GiB per rank for the node-local "
+                             "layer copies): set it, or choose cross_node 'auto' (which replicates without one)")
+        if self.node_replica_budget_gb is not None and self.cross_node in ("replicate", "global"):
+            raise ValueError(f"node_replica_budget_gb applies to cross_node 'budget' and 'auto', not "
+                             f"{self.cross_node!r}: leave the budget out, or set cross_node 'budget' or 'auto'")
         if self.timeline is not None and not self.metrics:
             raise ValueError("timeline draws the step recorder's spans, so metrics=false cannot go with it: leave "
                              "metrics out (it defaults to true) or the timeline")
@@ -374,8 +275,8 @@ def parse_options(options: Optional[dict]) -> ODCConfig:
     try:
         return ODCConfig(**options)
     except ValidationError as err:
-        problems = "; ".join(
-            f"zero_optimization.odc.{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+        problems = "; ".join(  # a cross-field check (ODCConfig._fields_agree) has no loc: the block itself
+            f"{'.'.join(['zero_optimization.odc', *(str(p) for p in e['loc'])])}: {e['msg']} (got {e.get('input')!r})"
             for e in err.errors())
         raise ODCConfigError(problems) from None
 

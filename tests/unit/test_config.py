@@ -76,6 +76,59 @@ def test_bad_balance_options_name_the_field(balance, field):
         parse_options({"balance": balance})
 
 
+def test_cross_node_defaults_to_replicate_without_a_budget():
+    options = parse_options({})
+    assert (options.cross_node, options.node_replica_budget_gb) == ("replicate", None)
+    cfg = {"zero_optimization": {"stage": "odc", "odc": {}}}
+    canonicalize(cfg)
+    assert "cross_node" not in cfg["odc"] and "node_replica_budget_gb" not in cfg["odc"]  # defaults left out
+
+
+@pytest.mark.parametrize("options", [
+    {"cross_node": "replicate"}, {"cross_node": "global"}, {"cross_node": "auto"},
+    {"cross_node": "auto", "node_replica_budget_gb": 8.0}, {"cross_node": "auto", "node_replica_budget_gb": 2},
+    {"cross_node": "budget", "node_replica_budget_gb": 0.5}, {"cross_node": "budget", "node_replica_budget_gb": 40},
+])
+def test_cross_node_accepts_each_mode_and_a_budget_with_budget_or_auto(options):
+    parsed = parse_options(options)
+    assert parsed.cross_node == options["cross_node"]
+    assert parsed.node_replica_budget_gb == options.get("node_replica_budget_gb")
+    cfg = {"zero_optimization": {"stage": "odc", "odc": dict(options)}}
+    canonicalize(cfg)
+    assert cfg["odc"] == {k: v for k, v in options.items() if v != "replicate"}  # the canonical block carries them
+
+
+def test_cross_node_budget_without_a_budget_is_refused_naming_both_fields_and_the_fix():
+    with pytest.raises(ODCConfigError) as refused:
+        parse_options({"cross_node": "budget"})
+    message = str(refused.value)
+    assert "cross_node 'budget' needs node_replica_budget_gb" in message and "'auto'" in message, message
+
+
+@pytest.mark.parametrize("mode", ["replicate", "global"])
+def test_a_budget_with_replicate_or_global_is_refused_naming_both_fields(mode):
+    with pytest.raises(ODCConfigError) as refused:
+        parse_options({"cross_node": mode, "node_replica_budget_gb": 8})
+    message = str(refused.value)
+    assert "node_replica_budget_gb" in message and f"cross_node 'budget' and 'auto', not {mode!r}" in message, message
+    with pytest.raises(ODCConfigError, match="node_replica_budget_gb"):  # the default mode too
+        parse_options({"node_replica_budget_gb": 8})
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"cross_node": "hybrid"}, "cross_node"),
+    ({"cross_node": "Global"}, "cross_node"),
+    ({"cross_node": None}, "cross_node"),
+    ({"cross_node": "auto", "node_replica_budget_gb": 0}, "node_replica_budget_gb"),
+    ({"cross_node": "auto", "node_replica_budget_gb": -1.0}, "node_replica_budget_gb"),
+    ({"cross_node": "budget", "node_replica_budget_gb": "8"}, "node_replica_budget_gb"),
+    ({"cross_node": "budget", "node_replica_budget_gb": True}, "node_replica_budget_gb"),
+])
+def test_bad_cross_node_values_name_the_field(options, field):
+    with pytest.raises(ODCConfigError, match=rf"zero_optimization\.odc\.{field}"):
+        parse_options(options)
+
+
 def test_the_marker_form_asks_for_odc_and_every_stage_check_keeps_seeing_3():
     """``"stage": 3`` plus an odc block under ``zero_optimization`` (for frameworks that compare the stage
     with 3 themselves): the canonical form, the stage never leaving 3, balance included."""
