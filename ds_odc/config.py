@@ -81,23 +81,21 @@ class ODCConfig(BaseModel):
     summed into one element span less than about 2**29 in magnitude, so runs usually repeat bit for bit,
     but that is not guaranteed (``deterministic`` is)."""
 
-    cross_node: Literal["replicate", "global", "budget", "auto"] = "replicate"
+    cross_node: Literal["replicate", "global", "auto"] = "replicate"
     """How a job on several nodes holds parameters and gradient accumulators (docs/multinode.md). "replicate"
     (default): the ranks of each node hold the whole model's parameter window and accumulator between them (per
     rank ``n_nodes`` times ZeRO-3's partitions); pulls and pushes stay in the node and nodes exchange once per
     step, the least cross-node traffic. "global": every rank holds only its own ``1/world`` of parameters and
     accumulators, ZeRO-3's memory; pulls and pushes reach owners on other nodes one-sided (about ``6P(N-1)/N``
-    bytes per micro-batch per rank, bf16), and the step needs no gradient or parameter collective. "budget":
-    whole layers, first in forward order, kept as node-local copies (refreshed at the step, as "replicate") within
-    ``node_replica_budget_gb``, the rest global. "auto": "replicate" when its replicated part fits
-    ``node_replica_budget_gb`` (or no budget is given), otherwise "budget" or "global", saying which and why in
-    the log. On one node every value is the same (nothing crosses nodes). Values other than "replicate" run on
-    CPU hosts for now (refused on GPUs by name)."""
+    bytes per micro-batch per rank, bf16), and the step needs no gradient or parameter collective. "auto":
+    "replicate" when its replicated part fits ``node_replica_budget_gb`` (or no budget is given), otherwise
+    "global", saying which and why in the log. On one node every value is the same (nothing crosses nodes).
+    Values other than "replicate" run on CPU hosts for now (refused on GPUs by name)."""
 
     node_replica_budget_gb: Optional[Annotated[float, Field(gt=0)]] = None
-    """GiB per rank the replicated part of model states may take: node-local parameter copies and accumulators
-    beyond the rank's own ``1/world``. Required by ``cross_node`` "budget", used by "auto" (which replicates
-    without it); refused with "replicate" or "global", which would ignore it. Default null; more than 0."""
+    """With ``cross_node`` "auto": GiB per rank the replicated part of model states may take (node-local copies of
+    other nodes' shards and accumulators, beyond the rank's own ``1/world``). Refused with "replicate" or
+    "global", which would ignore it. Default null (auto then replicates); more than 0."""
 
     deterministic: Optional[bool] = None
     """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
@@ -155,12 +153,9 @@ class ODCConfig(BaseModel):
         if self.deterministic and "accumulator_dtype" in self.model_fields_set:
             raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
                              f"accumulator_dtype={self.accumulator_dtype!r} out")
-        if self.cross_node == "budget" and self.node_replica_budget_gb is None:
-            raise ValueError("cross_node 'budget' needs node_replica_budget_gb (GiB per rank for the node-local "
-                             "layer copies): set it, or choose cross_node 'auto' (which replicates without one)")
-        if self.node_replica_budget_gb is not None and self.cross_node in ("replicate", "global"):
-            raise ValueError(f"node_replica_budget_gb applies to cross_node 'budget' and 'auto', not "
-                             f"{self.cross_node!r}: leave the budget out, or set cross_node 'budget' or 'auto'")
+        if self.node_replica_budget_gb is not None and self.cross_node != "auto":
+            raise ValueError(f"node_replica_budget_gb applies to cross_node 'auto', not {self.cross_node!r}: leave "
+                             "the budget out, or set cross_node 'auto'")
         if self.timeline is not None and not self.metrics:
             raise ValueError("timeline draws the step recorder's spans, so metrics=false cannot go with it: leave "
                              "metrics out (it defaults to true) or the timeline")
