@@ -9,7 +9,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 #: Markers given by where a test lives (registered in pytest.ini; tests/README.md says what each suite is).
 #: They only label: every test still runs by default, and ``-m "not distributed"`` and the like select.
 MARKERS_BY_DIRECTORY = {"distributed": "distributed", "gpu": "gpu"}
-MARKERS_BY_FILE = {"test_two_hosts.py": "multi_host"}
+MARKERS_BY_FILE = {"test_two_hosts.py": "multi_host", "test_two_hosts_global.py": "multi_host"}
 
 
 def pytest_collection_modifyitems(config, items):
