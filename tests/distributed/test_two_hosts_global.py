@@ -30,16 +30,18 @@ pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (netwo
 @pytest.fixture(scope="module")
 def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
     out_dir = tmp_path_factory.mktemp("global_cases")
+    names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",)
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
-              "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(CASES),
+              "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(names),
               str(out_dir)] for i in range(2)]
-    results = hosts.run_on_both(argvs, timeout=300)
+    results = hosts.run_on_both(argvs, timeout=360)
     logs = _logs(results)
     for result in results:
         assert not result.timed_out and result.returncode == 0, logs
-    return {name: [torch.load(out_dir / f"{name}_rank{r}.pt", weights_only=False) for r in range(4)]
-            for name in CASES}
+    stems = [name.split(":")[0] for name in names]
+    return {stem: [torch.load(out_dir / f"{stem}_rank{r}.pt", weights_only=False) for r in range(4)]
+            for stem in stems}
 
 
 def test_global_sharding_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases):
@@ -148,6 +150,23 @@ def test_auto_replicates_within_the_budget_and_shards_globally_beyond_it_saying_
         assert result["large"][0] == "replicate" and not result["large"][2], (rank, result)
         mode, reason, remote = result["small"]
         assert mode == "global" and remote and "budget" in reason and "global" in reason, (rank, reason)
+
+
+def test_a_checkpoint_saved_under_global_sharding_loads_back_and_training_continues(cases):
+    """Saved after 3 steps on 2x2 ranks with global sharding, loaded into a fresh engine with other initial
+    weights: the parameters at the save exactly, and the next 2 steps' losses and final parameters as the run that
+    never stopped (the files are ZeRO-3's for 4 ranks, whatever the cross_node mode)."""
+    from tests.support.checkpoint_workloads import RESHARD_TOLERANCE, merged_losses
+
+    saved, loaded = [r["saved"] for r in cases["global_ckpt"]], [r["loaded"] for r in cases["global_ckpt"]]
+    assert loaded[0]["engine"] == "ODCEngine"
+    assert worst_rel_diff(loaded[0]["loaded"], saved[0]["saved"]) == 0.0
+    assert loaded[0]["loaded_adam_step"] == 3.0 and loaded[0]["global_steps"] == 5
+    assert worst_rel_diff(loaded[0]["final"], saved[0]["final"]) < RESHARD_TOLERANCE
+    expected, got = merged_losses(saved), merged_losses(loaded)
+    for step in (3, 4):
+        for slot, loss in expected[step].items():
+            assert got[step][slot] == pytest.approx(loss, rel=RESHARD_TOLERANCE), (step, slot)
 
 
 def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):

@@ -20,9 +20,10 @@ SLOTS = 4  # divides by every world size the tests use (1, 2, 4)
 RESHARD_TOLERANCE = 1e-5  # the same global batch, summed in another order (micro-batches vs ranks)
 
 
-def _engine(seed=1234, universal=False):
+def _engine(seed=1234, universal=False, odc=None):
     world = tdist.get_world_size()
-    config = ds_config("odc", gas=SLOTS // world, scheduler=True)  # warmup: the LR changes every step
+    config = ds_config("odc", gas=SLOTS // world, scheduler=True,  # warmup: the LR changes every step
+                       **({"odc": odc} if odc else {}))
     if universal:
         config["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=make_model(seed=seed), config=config)
@@ -44,10 +45,10 @@ def _train_slots(engine, first_step, steps):
     return losses
 
 
-def train_and_save(ckpt_dir, save_after=3, then=2):
+def train_and_save(ckpt_dir, save_after=3, then=2, odc=None):
     """Train ``save_after`` steps, save (tag ``saved``), train ``then`` more. Rank 0 returns the
-    full parameters at the save and at the end; every rank its slot losses."""
-    engine = _engine()
+    full parameters at the save and at the end; every rank its slot losses. ``odc``: the engine's odc options."""
+    engine = _engine(odc=odc)
     losses = _train_slots(engine, 0, save_after)
     engine.save_checkpoint(ckpt_dir, tag="saved")
     saved = full_params(engine)
@@ -59,9 +60,9 @@ def train_and_save(ckpt_dir, save_after=3, then=2):
     return {"losses": losses, "saved": saved, "final": final, "adam_step": step_count, "lr": lr}
 
 
-def load_and_continue(ckpt_dir, tag, first_step=3, steps=2, universal=True):
+def load_and_continue(ckpt_dir, tag, first_step=3, steps=2, universal=True, odc=None):
     """A fresh engine (other initial weights) at this world size loads ``tag`` and trains on."""
-    engine = _engine(seed=999, universal=universal)
+    engine = _engine(seed=999, universal=universal, odc=odc)
     engine.load_checkpoint(ckpt_dir, tag=tag)
     loaded = full_params(engine)
     loaded_step = _adam_step(engine)

@@ -194,6 +194,11 @@ def cases(names, out_dir):
             global_workloads.killed(out_dir, 3, name[len("global_kill_"):])  # ends the process
         elif name in ("global_stalled", "global_cut"):
             getattr(global_workloads, name[len("global_"):])(out_dir)  # ends the process
+        elif name.startswith("global_ckpt:"):  # saved and loaded back under global sharding, in the same job
+            ckpt_dir = name.split(":", 1)[1]
+            result = {"saved": checkpoint_workloads.train_and_save(ckpt_dir, odc=GLOBAL),
+                      "loaded": checkpoint_workloads.load_and_continue(ckpt_dir, "saved", universal=False,
+                                                                       odc=GLOBAL)}
         elif name == "global_delayed":
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
         elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto"):
