@@ -9,13 +9,20 @@
 #    pydantic-core, hjson, annotated-types, typing-inspection, typing-extensions), at the versions this
 #    checkout's .venv runs, so the GPU machine runs the combination CI tests; .gpu_kit/MANIFEST.json names
 #    the commit, each wheel's size and sha256;
+#  * the NVSHMEM wheels of the kit's `nvshmem` item (NVSHMEM_PINS below: nvshmem4py-cu13 and the cuda-python
+#    parts it imports, ~20 MB), cu13 like the GPU machine's torch 2.11+cu130; the install step puts them in a
+#    folder of their own that only that item imports. The NVSHMEM library itself (nvidia-nvshmem-cu13, 100+ MB:
+#    more than the device's 64 MiB carry) is not carried: torch 2.11+cu130 depends on nvidia-nvshmem-cu13==3.4.5,
+#    so the GPU image has it. GPU_KIT_NVSHMEM_LIB=1 downloads that wheel too (for a machine whose torch lacks it
+#    and whose carry allows it);
 #  * ops/: ds_odc's CUDA operator prebuilt for the GPU machine's software (torch 2.11.0+cu130, CPython 3.12,
 #    sm_80 and sm_90) with its fingerprint, ops/PREBUILT.json (scripts/prebuild_cuda_op.py; needs nvcc 13.0
 #    and a CPython 3.12 here, and fetches torch 2.11's wheel once into .gpu_build/). There the kit loads it
 #    when the fingerprint matches and builds only on a mismatch, saying which. Without nvcc 13.0 here the
 #    step is skipped with a note and the GPU machine builds the operator (30-60 s of its time).
 # The GPU image already has torch 2.11+cu130, nvcc 13, ninja, numpy, psutil, py-cpuinfo, msgpack, einops,
-# tqdm, packaging, pytest and matplotlib (docs/gpu.md). Everything carried stays under 10 MB.
+# tqdm, packaging, pytest and matplotlib (docs/gpu.md). Everything carried: about 26 MB (5 MB without the
+# NVSHMEM wheels), the checkout's 3 MB on top, under the device's 64 MiB.
 #
 # Step 2, on the GPU machine, from the repository root, with .gpu_kit carried (docs/gpu.md):
 #     python3 scripts/gpu_validate.py --out $OUT              # first command: ~330 s, give it 420 s
@@ -34,6 +41,9 @@ names = ["pydantic", "pydantic-core", "hjson", "annotated-types", "typing-inspec
 print(" ".join(f"{name}=={version(name)}" for name in names))
 EOF
 )
+# the nvshmem item's wheels: cu13 builds (the GPU machine's torch is cu130); numpy is on the GPU image
+NVSHMEM_PINS=(nvshmem4py-cu13==0.4.1 cuda-core==1.2.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1)
+[ "${GPU_KIT_NVSHMEM_LIB:-0}" = 1 ] && NVSHMEM_PINS+=(nvidia-nvshmem-cu13==3.4.5)  # torch 2.11+cu130's pin
 DS_VERSION=$(grep -o '"deepspeed==[0-9.]*"' setup.py | tr -d '"' | cut -d= -f3)
 
 rm -rf "$KIT/wheels"
@@ -47,6 +57,9 @@ ls "$KIT"/wheels/deepspeed-"$DS_VERSION"-py3-none-any.whl >/dev/null || {
 echo "gpu_kit: downloading ${PINNED[*]} for CPython 3.12 x86-64"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --abi abi3 --abi none "${PLATFORMS[@]}" -d "$KIT/wheels" "${PINNED[@]}"
+echo "gpu_kit: downloading ${NVSHMEM_PINS[*]} for CPython 3.12 x86-64 (the nvshmem item)"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+    --abi abi3 --abi none "${PLATFORMS[@]}" -d "$KIT/wheels" "${NVSHMEM_PINS[@]}"
 
 "$PY" - "$KIT" <<'EOF'
 """MANIFEST.json: what was gathered, from which commit; checked again by scripts/gpu_validate.py."""

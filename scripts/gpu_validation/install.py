@@ -10,6 +10,10 @@ uses its own interpreter's packages) and said so. The ds_odc wheel is built with
 the interpreter's own site-packages: items find the folder through ``PYTHONPATH``. The installed files are
 compiled to bytecode once here, so that the many processes the items start do not each compile them.
 
+The NVSHMEM wheels (nvshmem4py and the ``cuda-python`` parts it imports: :data:`NVSHMEM_WHEELS`) go into a
+folder of their own (``--nvshmem-site``), put on ``PYTHONPATH`` by the ``nvshmem`` item only: no other item
+imports them, and their ``cuda-bindings`` does not shadow the machine's for torch.
+
 When the site already holds exactly this checkout's package and these wheels (a second command on the same
 machine), nothing is installed again (``reused``).
 
@@ -78,6 +82,17 @@ def package_hash(root: str, carried) -> str:
     return digest.hexdigest()[:16]
 
 
+#: Wheel-name prefixes installed into ``--nvshmem-site`` instead of the site every item uses.
+NVSHMEM_WHEELS = ("nvshmem4py", "nvidia_nvshmem", "cuda_core", "cuda_bindings", "cuda_pathfinder")
+
+
+def split_carried(carried):
+    """(wheels for the site, wheels for the NVSHMEM site), by file name."""
+    def nvshmem(path):
+        return os.path.basename(path).lower().replace("-", "_").startswith(NVSHMEM_WHEELS)
+    return [w for w in carried if not nvshmem(w)], [w for w in carried if nvshmem(w)]
+
+
 def lay_out_suite(root: str, suite: str) -> None:
     shutil.rmtree(suite, ignore_errors=True)
     os.makedirs(suite)
@@ -99,6 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--site", required=True)
     parser.add_argument("--dist", required=True)
     parser.add_argument("--suite", help="copy the tests, benchmarks and examples here")
+    parser.add_argument("--nvshmem-site", help="install the NVSHMEM wheels here (default: beside --site)")
     args = parser.parse_args(argv)
     if args.suite:
         lay_out_suite(args.root, args.suite)
@@ -117,7 +133,9 @@ def main(argv=None) -> None:
         figures.update(reused=True, installed=sorted(os.listdir(args.site)))
         print("INSTALLED " + json.dumps(figures), flush=True)
         return
+    nvshmem_site = args.nvshmem_site or args.site.rstrip(os.sep) + "-nvshmem"
     shutil.rmtree(args.site, ignore_errors=True)
+    shutil.rmtree(nvshmem_site, ignore_errors=True)
     os.makedirs(args.dist, exist_ok=True)
     for old in glob.glob(os.path.join(args.dist, "ds_odc-*.whl")):
         os.unlink(old)
@@ -125,8 +143,13 @@ def main(argv=None) -> None:
     built = glob.glob(os.path.join(args.dist, "ds_odc-*.whl"))
     if len(built) != 1:
         raise SystemExit(f"expected one ds_odc wheel in {args.dist}, found {built}")
+    general, nvshmem = split_carried(carried)
     pip("install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "-q", "--upgrade", "--target",
-        args.site, *carried, built[0])
+        args.site, *general, built[0])
+    if nvshmem:
+        pip("install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "-q", "--upgrade", "--target",
+            nvshmem_site, *nvshmem)
+    figures["nvshmem_site"] = nvshmem_site if nvshmem else "no NVSHMEM wheels carried"
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", args.site], check=False,
                    stdout=subprocess.DEVNULL)
     with open(stamp, "w") as out:

@@ -9,8 +9,9 @@ copy -> overlap from the CUDA-event timeline.
 Second command (``--second``, default budget 290 s, only if time is left): one rank on NCCL, activation
 offload (test and peak-memory benchmark), parameter offload with the model on the GPU against ZeRO-3,
 batched gathers, the rest of the fault matrix, offload_states / reload_states on cuda_ipc (the windows freed
-and mapped again), fp16 against ZeRO-3's fp16 with an overflow step (the refusal lifted for the run), a JIT
-build into an empty folder, compute-sanitizer over the kernel sweep.
+and mapped again), fp16 against ZeRO-3's fp16 with an overflow step (the refusal lifted for the run), one
+long sample split over ranks, NVSHMEM through nvshmem4py on one PE (nvshmem_probe.py; its wheels in a folder
+of their own), a JIT build into an empty folder, compute-sanitizer over the kernel sweep.
 
 The same lists run in the CPU smoke run (``shm``, smaller selections; the CUDA-only items report themselves
 not measurable). Every item runs from the copy of the tests that the set-up lays out (``Context.suite``),
@@ -50,6 +51,11 @@ class Context:
         return os.path.join(self.work, "suite")
 
     @property
+    def nvshmem_site(self) -> str:
+        """the carried NVSHMEM wheels (install.py), on PYTHONPATH for the nvshmem item only"""
+        return os.path.join(self.work, "site-nvshmem")
+
+    @property
     def transport(self) -> str:
         return "shm" if self.cpu_smoke else "cuda_ipc"
 
@@ -61,11 +67,13 @@ class Context:
     def sharing(self) -> dict:
         return self.machine.get("sharing") or {"shared": True, "why": "", "time_sliced": True, "mig": False}
 
-    def env(self, extensions: Optional[str] = None) -> dict:
+    def env(self, extensions: Optional[str] = None, nvshmem: bool = False) -> dict:
         """Every item's environment: the installed packages first on PYTHONPATH (and named, for the check
         that they are what is imported), the transport the GPU suite runs on, the torch extensions folder
-        shared by every item of this work folder (``extensions``: another one)."""
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (self.site, os.environ.get("PYTHONPATH")) if p),
+        shared by every item of this work folder (``extensions``: another one); ``nvshmem``: the NVSHMEM
+        wheels' folder before them (the nvshmem item only)."""
+        first = (self.nvshmem_site, self.site) if nvshmem else (self.site,)
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH")) if p),
                "ODC_KIT_SITE": self.site, "ODC_GPU_SUITE_TRANSPORT": self.transport, "PYTHONUNBUFFERED": "1"}
         if extensions or not self.cpu_smoke:  # on CPU: the caller's folder, where make venv built DeepSpeed's ops
             env["TORCH_EXTENSIONS_DIR"] = extensions or os.path.join(self.work, "torch_extensions")
@@ -117,11 +125,12 @@ def machine_item(ctx: Context) -> Item:
 
 
 def setup_item(ctx: Context) -> Item:
-    return Item("setup", "install the carried wheels and a wheel of this checkout into a private folder; copy the "
-                "tests there", [ctx.python, os.path.join(HERE, "install.py"), "--root", ctx.root, "--wheels",
-                                ctx.wheels or "", "--site", ctx.site, "--dist", os.path.join(ctx.work, "dist"),
-                                "--suite", ctx.suite], HANG_S, verdicts.install_verdict, {"PYTHONUNBUFFERED": "1"},
-                ctx.root, expect_s=15, required=True)
+    command = [ctx.python, os.path.join(HERE, "install.py"), "--root", ctx.root, "--wheels", ctx.wheels or "",
+               "--site", ctx.site, "--nvshmem-site", ctx.nvshmem_site, "--dist", os.path.join(ctx.work, "dist"),
+               "--suite", ctx.suite]
+    return Item("setup", "install the carried wheels and a wheel of this checkout into a private folder (the NVSHMEM "
+                "wheels into one of their own); copy the tests there", command, HANG_S, verdicts.install_verdict,
+                {"PYTHONUNBUFFERED": "1"}, ctx.root, expect_s=15, required=True)
 
 
 def cuda_op_item(ctx: Context) -> Item:
@@ -212,6 +221,7 @@ def second(ctx: Context) -> List[Item]:
                                                  "{scratch}/split_memory.json"], HANG_S, verdicts.split_memory_verdict,
                         ctx.env(), ctx.suite, unavailable=ctx.gpu_only("peak GPU memory of split samples", world=4),
                         expect_s=90)
+    nvshmem = nvshmem_item(ctx)
     return [
         ctx.pytest("nccl-one-rank", "one rank on an NCCL process group equals one rank on gloo",
                    ["tests/gpu/test_cuda_training_parity.py"], "nccl", 25),
@@ -233,10 +243,28 @@ def second(ctx: Context) -> List[Item]:
                    "on NCCL: the same steps skipped, the same loss scales, the same parameters",
                    ["tests/gpu/test_cuda_fp16.py"], None, 25),
         split_memory,
+        nvshmem,
         # -- Later items go here, before the two slow checks below.
         jit,
         memcheck,
     ]
+
+
+#: The nvshmem item's window: 64M bf16 elements (128 MiB), with a 256 MiB fp32 accumulator.
+NVSHMEM_ELEMENTS = 64 << 20
+
+
+def nvshmem_item(ctx: Context) -> Item:
+    """NVSHMEM through the carried nvshmem4py (nvshmem_probe.py): not measurable on CPU and, said by the probe,
+    where nvshmem4py is not installed."""
+    return Item("nvshmem", "nvshmem4py on one PE: uid bootstrap over torch.distributed, a bf16 window of "
+                f"{NVSHMEM_ELEMENTS >> 20}M elements and an fp32 accumulator on the symmetric heap, get/put (on-stream "
+                "nbi + quiet) against torch copies, bf16 -> fp32 accumulate, finalize",
+                [ctx.python, os.path.join(HERE, "nvshmem_probe.py"), "--elements", str(NVSHMEM_ELEMENTS)], HANG_S,
+                verdicts.nvshmem_verdict, ctx.env(nvshmem=True), ctx.work,
+                unavailable=ctx.gpu_only("NVSHMEM's symmetric heap on a GPU"), expect_s=25,
+                note="one PE: get and put reach the own PE (intra-GPU); device-initiated *_nbi_block transfers are "
+                     "not exercised")
 
 
 def select(items: List[Item], only: Optional[List[str]]) -> List[Item]:

@@ -141,6 +141,29 @@ def jit_verdict(run: Run) -> Verdict:
                                                          for n, o in figures["ops"].items() if o.get("required")))
 
 
+def nvshmem_verdict(run: Run) -> Verdict:
+    """The nvshmem item (nvshmem_probe.py): not measurable when nvshmem4py, a CUDA torch or a GPU is missing
+    (the reason said); pass when the uid bootstrap and init ran, get and put moved the peer's bytes exactly,
+    the bf16 -> fp32 accumulate equals torch's bit for bit, and NVSHMEM was finalized. The GB/s are figures
+    without a target (the first measurement)."""
+    try:
+        figures = tagged_json(run.output, "NVSHMEM")
+    except ValueError:
+        return Verdict(Status.FAIL, error=f"the probe printed no result (exit {run.returncode}):\n"
+                                          f"{tail(run.output, 3000)}")
+    if "not_measurable" in figures:
+        return Verdict(Status.NOT_MEASURABLE, figures, figures["not_measurable"])
+    problems = list(figures.get("problems") or [])
+    if not problems and figures.get("finalized") is not True:
+        problems.append("NVSHMEM was not finalized")
+    if run.returncode != 0 or problems:
+        return Verdict(Status.FAIL, figures, "; ".join(problems) or f"exit {run.returncode}")
+    said = (f"{figures['n_pes']} PE(s), libnvshmem {figures.get('libnvshmem')}: get {figures['get']['gbps']} GB/s, "
+            f"put {figures['put']['gbps']} GB/s (torch copy {figures['torch_copy']['gbps']}), bf16->fp32 add "
+            f"{figures['accumulate']['gbps']} GB/s, exact")
+    return Verdict(Status.PASS, figures, said=said)
+
+
 # -- benchmarks -----------------------------------------------------------------------------------------
 def bandwidth_verdict(run: Run) -> Verdict:
     """Push against a local ``acc.add_(grad)`` of the same elements (the same bytes moved), at every size

@@ -391,3 +391,144 @@ def test_the_command_line():
     with pytest.raises(SystemExit):
         gpu_validate.parse_args([])  # no --out
     assert gpu_validate.FIRST_BUDGET_S == 330 and gpu_validate.SECOND_BUDGET_S <= 300
+
+
+# -- the nvshmem item ----------------------------------------------------------------------------------
+NVSHMEM_PROBE = os.path.join(ROOT, "scripts", "gpu_validation", "nvshmem_probe.py")
+
+
+def gpu_ctx(**machine):
+    from gpu_validation import items
+
+    machine = {"gpus": 1, "sharing": {"shared": True, "why": "", "time_sliced": True, "mig": False}, **machine}
+    return items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=False, machine=machine)
+
+
+def test_the_nvshmem_item_is_declared_in_the_second_command_with_its_own_folder_of_wheels():
+    """Before the two slow checks; only it has the NVSHMEM wheels' folder on PYTHONPATH; a CPU run does not
+    start it; nothing in ds_odc imports nvshmem."""
+    from gpu_validation import items
+
+    ctx = gpu_ctx()
+    names = [i.name for i in items.second(ctx)]
+    assert names[-3:] == ["nvshmem", "jit-build", "memcheck-kernel-sweep"]
+    assert "nvshmem" not in [i.name for i in items.first(ctx)]
+    item = next(i for i in items.second(ctx) if i.name == "nvshmem")
+    assert item.command[1] == NVSHMEM_PROBE and item.command[2:] == ["--elements", str(64 << 20)]
+    assert item.env["PYTHONPATH"].split(os.pathsep)[:2] == ["/work/site-nvshmem", "/work/site"]
+    assert item.cwd == "/work" and item.timeout_s <= items.HANG_S and item.unavailable == ""
+    assert item.interpret is verdicts.nvshmem_verdict
+    others = [i for i in items.preamble(ctx) + items.first(ctx) + items.second(ctx) if i.name != "nvshmem"]
+    assert all("site-nvshmem" not in i.env.get("PYTHONPATH", "") for i in others)
+    setup = items.setup_item(ctx).command
+    assert setup[setup.index("--nvshmem-site") + 1] == "/work/site-nvshmem"
+    smoke = items.Context("/repo", "/work", "python3", "", "/kit/ops", cpu_smoke=True)
+    cpu = next(i for i in items.second(smoke) if i.name == "nvshmem")
+    assert "a GPU run only" in cpu.unavailable
+    assert "no CUDA GPU" in next(i for i in items.second(gpu_ctx(gpus=0)) if i.name == "nvshmem").unavailable
+    with pytest.raises(SystemExit):  # --only finds it by name
+        items.select(items.second(ctx), ["nvshem"])
+    assert [i.name for i in items.select(items.second(ctx), ["nvshmem"])] == ["nvshmem"]
+    import re
+    importing = re.compile(r"^\s*(import|from)\s+nvshmem\b|import_module\(\s*[\"']nvshmem", re.M)
+    package = os.path.join(ROOT, "ds_odc")
+    sources = [os.path.join(d, f) for d, _, files in os.walk(package) for f in files if f.endswith(".py")]
+    assert sources and [f for f in sources if importing.search(open(f).read())] == []
+
+
+def test_without_nvshmem4py_the_probe_says_not_measurable_and_the_phase_records_it(tmp_path):
+    """Here (no nvshmem4py, no GPU) the probe exits 0 with the reason; run as an item, results.json holds the
+    verdict not_measurable, the reason as the error and the probe's figures."""
+    phase = Phase("second command", str(tmp_path / "out"), str(tmp_path / "work"), budget_s=60, header={})
+    env = {"PYTHONPATH": "", "DS_ACCELERATOR": "cpu"}
+    result = phase.run(Item("nvshmem", "nvshmem4py on one PE", [PY, NVSHMEM_PROBE, "--elements", "1024"], 60,
+                            verdicts.nvshmem_verdict, env, str(tmp_path), expect_s=1))
+    assert result.status == Status.NOT_MEASURABLE, result.error
+    assert "nvshmem4py is not installed here" in result.error and result.figures["elements"] == 1024
+    phase.finish()
+    with open(tmp_path / "out" / "results.json") as handle:
+        recorded = {item["name"]: item for item in json.load(handle)["items"]}["nvshmem"]
+    assert recorded["status"] == "not_measurable" and "not installed" in recorded["error"]
+    assert set(recorded) >= {"name", "title", "status", "seconds", "figures", "error", "command"}
+
+
+NVSHMEM_PASSED = {"elements": 64 << 20, "nvshmem4py": "0.4.1", "libnvshmem": "3.4.5", "n_pes": 1, "my_pe": 0,
+                  "peer": 0, "finalized": True, "problems": [],
+                  "get": {"bytes_equal": True, "gbps": 1500.0, "ms": 0.09, "over_torch_copy": 0.9},
+                  "put": {"bytes_equal": True, "gbps": 1400.0, "ms": 0.1, "over_torch_copy": 0.85},
+                  "torch_copy": {"gbps": 1600.0, "ms": 0.08},
+                  "accumulate": {"exact": True, "max_abs_diff": 0.0, "gbps": 3000.0, "ms": 0.2}}
+
+
+@pytest.mark.parametrize("change,returncode,expected,words", [
+    ({}, 0, Status.PASS, "get 1500.0 GB/s"),
+    ({"problems": ["get_nbi from PE 0: the bytes differ from that PE's window"]}, 1, Status.FAIL, "bytes differ"),
+    ({"finalized": False}, 0, Status.FAIL, "not finalized"),
+    ({"not_measurable": "no CUDA device is visible"}, 0, Status.NOT_MEASURABLE, "no CUDA device"),
+], ids=["passed", "bytes-differ", "not-finalized", "no-gpu"])
+def test_the_nvshmem_verdict(change, returncode, expected, words):
+    figures = {**NVSHMEM_PASSED, **change}
+    output = 'NVSHMEM_STAGE {"stage": "initialized"}\nNVSHMEM ' + json.dumps(figures) + "\n"
+    verdict = verdicts.nvshmem_verdict(Run(returncode, 1.0, output))
+    assert verdict.status == expected
+    assert words in (verdict.said if expected == Status.PASS else verdict.error)
+    crashed = verdicts.nvshmem_verdict(Run(-11, 1.0, 'NVSHMEM_STAGE {"stage": "process group"}\nSegmentation fault'))
+    assert crashed.status == Status.FAIL and "printed no result" in crashed.error and "process group" in crashed.error
+
+
+def test_the_nvshmem_probe_s_pieces_without_nvshmem(tmp_path):
+    """The unique id's bytes travel from rank 0 into every rank's empty id; the carried library is found on
+    sys.path; NVSHMEM settings the caller made are kept."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu_validation"))
+    try:
+        import nvshmem_probe
+    finally:
+        sys.path.pop(0)
+    layout = np.dtype([("version", np.int32), ("internal", np.int8, (124,))], align=True)
+
+    class Uid:  # nvshmem4py's uniqueid: a one-struct recarray in _data
+        def __init__(self, fill=None):
+            self._data = np.zeros(1, dtype=layout).view(np.recarray)
+            if fill is not None:
+                self._data.version, self._data.internal = 3, np.arange(124) % 100
+
+    class Dist:
+        def __init__(self):
+            self.sent = None
+
+        def broadcast_object_list(self, box, src):
+            assert src == 0
+            if box[0] is not None:
+                self.sent = box[0]
+            box[0] = self.sent
+
+    dist = Dist()
+    made = nvshmem_probe.broadcast_uid(dist, 0, lambda: Uid(fill=True), Uid)
+    other = nvshmem_probe.broadcast_uid(dist, 1, lambda: pytest.fail("only rank 0 makes the id"), Uid)
+    assert len(dist.sent) == 128 and nvshmem_probe.uid_bytes(other) == nvshmem_probe.uid_bytes(made)
+    assert other._data.version[0] == 3 and list(other._data.internal[0][:3]) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        nvshmem_probe.load_uid(Uid(), b"short")
+    library = tmp_path / nvshmem_probe.HOST_LIBRARY
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    assert nvshmem_probe.find_host_library([str(tmp_path / "x"), str(tmp_path)]) == str(library)
+    assert nvshmem_probe.find_host_library([str(tmp_path / "x")]) is None
+    one = nvshmem_probe.nvshmem_environment(1, 640 << 20, environ={"NVSHMEM_REMOTE_TRANSPORT": "ibrc"})
+    assert one["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "lo" and "NVSHMEM_REMOTE_TRANSPORT" not in one
+    assert int(one["NVSHMEM_SYMMETRIC_SIZE"]) > 640 << 20
+    assert set(nvshmem_probe.nvshmem_environment(4, 1 << 20, environ={})) == {"NVSHMEM_SYMMETRIC_SIZE"}
+
+
+def test_the_nvshmem_wheels_are_installed_apart():
+    from gpu_validation.install import split_carried
+
+    carried = ["/k/deepspeed-0.19.8-py3-none-any.whl", "/k/nvshmem4py_cu13-0.4.1-cp312-cp312-x.whl",
+               "/k/cuda_core-1.2.2-cp312-cp312-x.whl", "/k/cuda_bindings-13.5.0-cp312-cp312-x.whl",
+               "/k/cuda_pathfinder-1.9.1-py3-none-any.whl", "/k/pydantic-2.0-py3-none-any.whl",
+               "/k/nvidia_nvshmem_cu13-3.4.5-py3-none-x.whl"]
+    general, nvshmem = split_carried(carried)
+    assert [os.path.basename(w).split("-")[0] for w in general] == ["deepspeed", "pydantic"]
+    assert len(nvshmem) == 5
