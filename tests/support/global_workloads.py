@@ -112,6 +112,13 @@ def refusals() -> dict:
     engine.step()
     result["phase"] = engine.odc_phase.value
     engine.destroy()
+    try:  # refused at initialize, before any window exists
+        deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=GLOBAL,
+                                                                  offload_param={"device": "cpu"}))
+        result["offload_param"] = None
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        result["offload_param"] = (type(err).__name__, str(err))
+    result["shm"] = sorted(os.listdir(SHM))
     return result
 
 
@@ -147,12 +154,7 @@ def killed(out_dir: str, victim: int, where: str) -> None:
     import signal
 
     rank = tdist.get_rank()
-    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc={"timeout_s": 60, **GLOBAL},
-                                                                         stage3_param_persistence_threshold=0))
-    x, y, _ = micro_batch(0, rank, 0)
-    engine.backward(mse_mean(engine(x), y))
-    engine.step()
-    tdist.barrier()
+    engine = _engine_after_step_zero(timeout_s=60)
     x, y, _ = micro_batch(1, rank, 0)
     if rank == victim and where == "forward":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -166,12 +168,9 @@ def killed(out_dir: str, victim: int, where: str) -> None:
         engine.step()
     except Exception as err:  # noqa: BLE001 - the error is the result
         result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
-    engine.destroy()
-    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    result = _destroyed(engine, result)
     _report(out_dir, where, result, [r for r in range(tdist.get_world_size()) if r != victim])
     os._exit(0)
-
-
 
 
 def _report(out_dir: str, name: str, result: dict, survivors) -> None:
@@ -226,6 +225,34 @@ def delayed(counts, steps: int = 3) -> dict:
     return result
 
 
+def _engine_after_step_zero(timeout_s: float):
+    """A global-sharding engine whose every parameter is pulled on demand, after step 0 and a barrier."""
+    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
+        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
+    x, y, _ = micro_batch(0, tdist.get_rank(), 0)
+    engine.backward(mse_mean(engine(x), y))
+    engine.step()
+    tdist.barrier()
+    return engine
+
+
+def _step_one(engine) -> dict:
+    """Step 1 on this rank: ``{"error": None}``, or the error it raised and how long it waited."""
+    start = time.monotonic()
+    try:
+        x, y, _ = micro_batch(1, tdist.get_rank(), 0)
+        engine.backward(mse_mean(engine(x), y))
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        return {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+    return {"error": None}
+
+
+def _destroyed(engine, result: dict) -> dict:
+    engine.destroy()
+    return {**result, "shm": sorted(os.listdir(SHM)), "host": socket.gethostname()}
+
+
 def stalled(out_dir: str, victim: int = 3, timeout_s: float = 5.0) -> None:
     """Rank ``victim`` stops (SIGSTOP, resumed 30 s later) before step 1's forward: the others' pulls from it
     and their rounds wait ``timeout_s``, then every survivor raises naming it."""
@@ -233,25 +260,11 @@ def stalled(out_dir: str, victim: int = 3, timeout_s: float = 5.0) -> None:
     import subprocess
 
     rank = tdist.get_rank()
-    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
-        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
-    x, y, _ = micro_batch(0, rank, 0)
-    engine.backward(mse_mean(engine(x), y))
-    engine.step()
-    tdist.barrier()
+    engine = _engine_after_step_zero(timeout_s)
     if rank == victim:
         subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {os.getpid()}"], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
-    start = time.monotonic()
-    result: dict = {"error": None}
-    try:
-        x, y, _ = micro_batch(1, rank, 0)
-        engine.backward(mse_mean(engine(x), y))
-        engine.step()
-    except Exception as err:  # noqa: BLE001 - the error is the result
-        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
-    engine.destroy()
-    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    result = _destroyed(engine, _step_one(engine))
     if rank != victim:
         _report(out_dir, "stalled", result, [r for r in range(tdist.get_world_size()) if r != victim])
     os._exit(0)
@@ -262,26 +275,12 @@ def cut(out_dir: str, timeout_s: float = 5.0) -> None:
     nodes (``cut`` file); then step 1: every rank raises within a bound, naming a rank of the other node or the
     unreachable store, and leaves its /dev/shm empty."""
     rank = tdist.get_rank()
-    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
-        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
-    x, y, _ = micro_batch(0, rank, 0)
-    engine.backward(mse_mean(engine(x), y))
-    engine.step()
-    tdist.barrier()
+    engine = _engine_after_step_zero(timeout_s)
     open(os.path.join(out_dir, f"ready_rank{rank}"), "w").close()
     end = time.monotonic() + 60
     while not os.path.exists(os.path.join(out_dir, "cut")) and time.monotonic() < end:
         time.sleep(0.05)
-    start = time.monotonic()
-    result: dict = {"error": None}
-    try:
-        x, y, _ = micro_batch(1, rank, 0)
-        engine.backward(mse_mean(engine(x), y))
-        engine.step()
-    except Exception as err:  # noqa: BLE001 - the error is the result
-        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
-    engine.destroy()
-    result.update(shm=sorted(os.listdir(SHM)), host=socket.gethostname())
+    result = _destroyed(engine, _step_one(engine))
     _report(out_dir, "cut", result, [])  # no waiting: node 1 cannot reach the store any more
     os._exit(0)
 
