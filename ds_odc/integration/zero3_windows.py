@@ -56,7 +56,10 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
                        accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype],
                        exact=deterministic_sums(options, device), cross_node=options.cross_node,
-                       replica_budget_gb=options.node_replica_budget_gb)
+                       replica_budget_gb=options.node_replica_budget_gb,
+                       offloads=tuple(name for name, used in (("offload_param", optimizer.offload_param),
+                                                              ("offload_optimizer", optimizer.offload_optimizer))
+                                      if used))
 
 
 def announce_cross_node(runtime: ODCRuntime) -> None:

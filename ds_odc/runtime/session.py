@@ -63,6 +63,8 @@ class SessionPlan:
     #: zero_optimization.odc.cross_node ("replicate", "global", "auto") and node_replica_budget_gb
     cross_node: str = "replicate"
     replica_budget_gb: Optional[float] = None
+    #: ZeRO offloads in use ("offload_param", "offload_optimizer"): not yet tested with owners on other nodes
+    offloads: tuple = ()
 
     def layout(self, node_count: int) -> WindowLayout:
         layout = WindowLayout(node_count)
@@ -84,6 +86,10 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
     nodes = nodes or job_nodes(plan.timeout_s, global_sharding=plan.cross_node != "replicate")
     choice = cross_node_choice(plan, nodes) if nodes.node_count > 1 else None
     spread = choice is not None and choice.mode == "global"  # one block per rank; owners on other nodes remote
+    if spread and plan.offloads:
+        raise ODCConfigError(f"zero_optimization.{' and '.join(plan.offloads)} is not supported with "
+                             "zero_optimization.odc.cross_node='global' on several nodes yet (not tested with owners "
+                             "on other nodes); use cross_node 'replicate' (the default) for it")
     layout = plan.layout(1 if spread else nodes.node_count)
     transport = create_transport(plan.transport, rank=nodes.local_rank, world_size=nodes.local_world,
                                  timeout_s=plan.timeout_s, device=plan.device, shm_dir=plan.shm_dir,

@@ -174,6 +174,9 @@ def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):
         error, message = result["offload_states"]
         assert error == "ODCConfigError" and "cross_node='global'" in message, (rank, message)
         assert result["phase"] == "idle"
+        error, message = result["offload_param"]
+        assert error == "ODCConfigError" and "offload_param" in message and "cross_node='global'" in message, message
+        assert result["shm"] == [], result
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
