@@ -74,12 +74,16 @@ class ODCConfig(BaseModel):
     """Elements per lock stripe of a gradient accumulator: concurrent pushes into different stripes
     of one owner proceed in parallel. Default 1048576 (4 MiB of fp32); at least 1024."""
 
-    accumulator_dtype: Literal["fp32", "fp64"] = "fp32"
+    accumulator_dtype: Literal["fp32", "fp64", "bf16"] = "fp32"
     """Precision of the owners' gradient accumulators. "fp32" (default): pushes from several ranks
     are summed in arrival order, so results may differ run to run in the last bits (as any change of
     summation order does). "fp64": 4 more bytes per shard element; its sums are exact while the values
     summed into one element span less than about 2**29 in magnitude, so runs usually repeat bit for bit,
-    but that is not guaranteed (``deterministic`` is)."""
+    but that is not guaranteed (``deterministic`` is). "bf16": 2 bytes per shard element, what ZeRO-3 holds
+    for a bf16 model by default (its ``grad_accum_dtype``; 16 bytes per parameter over the job with Adam and
+    ``cross_node`` "global"); every push is rounded to bf16 as it is added, as ZeRO-3's bf16 reduce-scatter and
+    accumulation round (docs/normalisation.md). bf16 models on CPU ranks only for now (refused otherwise by
+    name)."""
 
     cross_node: Literal["replicate", "global", "auto"] = "replicate"
     """How a job on several nodes holds parameters and gradient accumulators (docs/multinode.md). "replicate"

@@ -16,7 +16,7 @@ from ds_odc.errors import ODCConfigError
 from ds_odc.runtime import ODCRuntime, SessionPlan, Shard
 
 GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
-ACCUMULATOR_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+ACCUMULATOR_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 
 
 def partitioned_params(optimizer) -> list:
@@ -54,7 +54,7 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
                        compute_dtype=compute_dtype, device=device,
                        norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,
-                       accumulator_dtype=ACCUMULATOR_DTYPES[options.accumulator_dtype],
+                       accumulator_dtype=accumulator_dtype(options, compute_dtype, device),
                        exact=deterministic_sums(options, device), cross_node=options.cross_node,
                        replica_budget_gb=options.node_replica_budget_gb,
                        offloads=tuple(name for name, used in (("offload_param", optimizer.offload_param),
@@ -70,6 +70,23 @@ def announce_cross_node(runtime: ODCRuntime) -> None:
 
         if torch.distributed.get_rank() == 0:
             logger.info(f"ds_odc cross_node: {choice.reason}")
+
+
+def accumulator_dtype(options: ODCConfig, compute_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The owners' accumulator dtype (``odc.accumulator_dtype``). "bf16" holds what ZeRO-3 holds for a bf16
+    model (its gradient partitions in the model's dtype), so it is refused where it would be something else:
+    a model that computes in another dtype (its pushes would be rounded to bf16 on the way in, a precision
+    the model never asked for), and GPU ranks (the CUDA push kernel adds into fp32 accumulators)."""
+    dtype = ACCUMULATOR_DTYPES[options.accumulator_dtype]
+    if dtype is torch.bfloat16 and compute_dtype is not torch.bfloat16:
+        raise ODCConfigError(f"zero_optimization.odc.accumulator_dtype='bf16' needs a bf16 model (the ds_config's "
+                             f"bf16.enabled: true); this one computes in {compute_dtype}. Leave accumulator_dtype "
+                             "out (fp32) for it")
+    if dtype is torch.bfloat16 and not device.startswith("cpu"):
+        raise ODCConfigError(f"zero_optimization.odc.accumulator_dtype='bf16' on {device}: bf16 accumulators have run "
+                             "on CPU ranks only (the CUDA push kernel adds into fp32 accumulators); leave "
+                             "accumulator_dtype out (fp32) on GPUs")
+    return dtype
 
 
 def deterministic_sums(options: ODCConfig, device: str) -> bool:

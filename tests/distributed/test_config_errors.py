@@ -16,7 +16,9 @@ CASES = {
     "below range": (ds_config("odc", odc={"timeout_s": 0}), "zero_optimization.odc.timeout_s"),
     "above range": (ds_config("odc", odc={"timeout_s": 1e9}), "less than or equal to 86400"),
     "stripe too small": (ds_config("odc", odc={"accumulator_stripe_numel": 10}), "greater than or equal to 1024"),
-    "accumulator dtype": (ds_config("odc", odc={"accumulator_dtype": "bf16"}), "'fp32' or 'fp64'"),
+    "accumulator dtype": (ds_config("odc", odc={"accumulator_dtype": "fp16"}), "'fp32', 'fp64' or 'bf16'"),
+    "bf16 accumulators under an fp32 model": (ds_config("odc", odc={"accumulator_dtype": "bf16"}),
+                                              "accumulator_dtype='bf16' needs a bf16 model"),
     "normalisation rule": (ds_config("odc", odc={"loss_normalization": "sample"}), "'auto' or 'token'"),
     "missing shm_dir": (ds_config("odc", odc={"shm_dir": "/nonexistent/dir"}), "zero_optimization.odc.shm_dir"),
     "misspelt stage": (ds_config("odcc"), "zero_optimization.stage='odcc': allowed values are 0, 1, 2, 3 and \"odc\""),
@@ -41,6 +43,7 @@ GOOD = {
                                           "loss_normalization": "auto"}),
     "offload device none": ds_config("odc", offload_param={"device": "none"}),
     "fp16 auto (HF fills it)": {**ds_config("odc"), "fp16": {"enabled": "auto"}},
+    "bf16 accumulators under a bf16 model": ds_config("odc", bf16=True, odc={"accumulator_dtype": "bf16"}),
 }
 
 

@@ -82,8 +82,8 @@ def _odc_values(private_shm_dir: str) -> dict:
                                      st.one_of(st.integers(max_value=1023), st.floats(1024, 1e6, allow_nan=False),
                                                st.sampled_from(["4096", True, None, [4096]]))),
         "accumulator_dtype": (st.sampled_from(["fp32", "fp64"]),
-                              st.one_of(st.sampled_from(["bf16", "fp16", "FP32", "float64", 32, None]),
-                                        _junk_text.filter(lambda s: s not in ("fp32", "fp64")))),
+                              st.one_of(st.sampled_from(["fp16", "BF16", "FP32", "float64", 32, None]),
+                                        _junk_text.filter(lambda s: s not in ("fp32", "fp64", "bf16")))),
         # "token" only with engine.backward(loss, loss_tokens=n), which the ranks' training loop does
         "loss_normalization": (st.sampled_from(["auto", "token"]),
                                st.one_of(st.sampled_from(["sample", "mean", "Token", "AUTO", None, 1]),

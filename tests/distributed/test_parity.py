@@ -90,14 +90,26 @@ def test_torch_style_backward_parity_with_zero3():
 
 def test_bf16_parity_within_zero3_self_difference():
     """bf16 has no bit-exact answer (ODC accumulates in fp32 where ZeRO-3 reduces in bf16). The bar is
-    the difference ZeRO-3 shows against itself between its bf16 run and its fp32 run of the same job."""
-    runs = run_ranks(train_pair, 2, [("odc", {"bf16": True}), (3, {"bf16": True}), (3, {})], STEPS, 2)
-    odc, zero3, zero3_fp32 = runs[0]
+    the difference ZeRO-3 shows against itself between its bf16 run and its fp32 run of the same job.
+    With ``accumulator_dtype: "bf16"`` ODC holds ZeRO-3's gradient bytes exactly and rounds every push to
+    bf16 as ZeRO-3's reduce-scatter and accumulation do: the same bar against ZeRO-3's fp32 run."""
+    bf16_accumulators = {"bf16": True, "odc": {"accumulator_dtype": "bf16"}}
+    runs = run_ranks(train_pair, 2, [("odc", {"bf16": True}), (3, {"bf16": True}), (3, {}),
+                                     ("odc", bf16_accumulators)], STEPS, 2)
+    odc, zero3, zero3_fp32, odc_bf16 = runs[0]
     assert odc["window_dtypes"] == ("torch.bfloat16", "torch.float32")  # pull bf16, accumulate fp32
+    assert odc_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")
+    for rank_odc, rank_zero3 in ((run[3], run[1]) for run in runs):  # every rank: ZeRO-3's bytes, no more
+        assert rank_odc["gradient_bytes"] == rank_zero3["gradient_bytes"] > 0
+    assert odc["gradient_bytes"] == 2 * zero3["gradient_bytes"]
     for step in range(STEPS):
         zero3_self = worst_rel_diff(zero3["params"][step], zero3_fp32["params"][step])
         odc_vs_zero3 = worst_rel_diff(odc["params"][step], zero3["params"][step])
         odc_vs_exact = worst_rel_diff(odc["params"][step], zero3_fp32["params"][step])
+        bf16_vs_exact = worst_rel_diff(odc_bf16["params"][step], zero3_fp32["params"][step])
         assert zero3_self > 0
         assert odc_vs_zero3 <= zero3_self, (step, odc_vs_zero3, zero3_self)
         assert odc_vs_exact <= 2 * zero3_self, (step, odc_vs_exact, zero3_self)
+        assert bf16_vs_exact <= 2 * zero3_self, (step, bf16_vs_exact, zero3_self)
+        bf16_vs_zero3 = worst_rel_diff(odc_bf16["params"][step], zero3["params"][step])
+        assert bf16_vs_zero3 <= zero3_self, (step, bf16_vs_zero3, zero3_self)

@@ -1,9 +1,9 @@
 """Ranks with different amounts of work: ODC equals the single-process reference; ZeRO-3 hangs."""
 import pytest
 
-from tests.support.compare import worst_rel_diff
+from tests.support.compare import movement_distance, worst_rel_diff
 from tests.support.harness import run_ranks
-from tests.support.workloads import reference_training, train_uneven
+from tests.support.workloads import make_model, reference_training, train_uneven, train_uneven_each
 
 TOL = 1e-6
 
@@ -34,3 +34,22 @@ def test_zero3_hangs_where_odc_does_not():
     """The same uneven script under ZeRO-3: ranks block in mismatched collectives."""
     report = run_ranks(train_uneven, 2, 3, "unmanaged", (1, 3), timeout=20, report=True)  # ODC: ~3 s
     assert report.hung_ranks, f"ZeRO-3 was expected to hang on uneven micro-batch counts: {report.outcomes}"
+
+
+@pytest.mark.parametrize("mode,counts,masked", [("unmanaged", (1, 3), ()), ("managed", (3, 1), ()),
+                                                ("token", (0, 3), ((1, 0),))],
+                         ids=["unmanaged-1-3", "managed-3-1", "token-idle-rank"])
+def test_bf16_accumulators_with_uneven_counts_land_where_fp32_accumulators_do(mode, counts, masked):
+    """A bf16 model, uneven counts (an idle rank, a micro-batch without loss tokens) under each rule: bf16
+    accumulators (``accumulator_dtype: "bf16"``, ZeRO-3's gradient bytes) round every push, fp32 ones do not;
+    both land within bf16's distance of the fp32 reference, far inside where a micro-batch lost would put them."""
+    bf16_accumulators, fp32_accumulators = run_ranks(
+        train_uneven_each, 2, [{"accumulator_dtype": "bf16"}, {}], True, mode, counts, 3, masked)[0]
+    expected = reference_training(mode, counts, masked=masked)
+    initial = {name: param.detach() for name, param in make_model().named_parameters()}
+    lost = reference_training(mode, (counts[0], counts[1] - 1), masked=masked)  # rank 1's last micro-batch lost
+    lost_off = movement_distance(lost, expected, initial)
+    fp32_off = movement_distance(fp32_accumulators["params"], expected, initial)
+    bf16_off = movement_distance(bf16_accumulators["params"], expected, initial)
+    assert bf16_off <= 2 * fp32_off, (bf16_off, fp32_off)
+    assert bf16_off <= lost_off / 4, (bf16_off, lost_off)

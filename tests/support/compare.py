@@ -13,6 +13,16 @@ def worst_rel_diff(actual: dict, expected: dict) -> float:
     return max(max_rel_diff(actual[k], expected[k]) for k in expected)
 
 
+def movement_distance(actual: dict, expected: dict, initial: dict) -> float:
+    """||actual - expected|| / ||expected - initial|| over every parameter: how far from the reference, in units
+    of how far the reference moved (for bf16 runs, where an element-wise bar says nothing: Adam turns the rounding
+    of a near-zero gradient into a full step either way)."""
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    off = sum(float((actual[k].double() - expected[k].double()).pow(2).sum()) for k in expected) ** 0.5
+    moved = sum(float((expected[k].double() - initial[k].double()).pow(2).sum()) for k in expected) ** 0.5
+    return off / moved
+
+
 def assert_close_nested(actual, expected, rtol: float, atol: float, path: str = "") -> None:
     """``torch.testing.assert_close`` through dicts, lists and tuples, naming the path that differs."""
     if isinstance(expected, dict):

@@ -66,7 +66,7 @@ def _odc_option_problems(options) -> List[str]:
             "timeout_s": value is None or (number and 0.1 <= value <= 86400),
             "shm_dir": isinstance(value, str) and os.path.isdir(value),
             "accumulator_stripe_numel": type(value) is int and value >= 1024,
-            "accumulator_dtype": isinstance(value, str) and value in ("fp32", "fp64"),
+            "accumulator_dtype": isinstance(value, str) and value in ("fp32", "fp64", "bf16"),
             "loss_normalization": isinstance(value, str) and value in ("auto", "token"),
             "metrics": type(value) is bool,
             "metrics_log_interval": type(value) is int and value >= 0,
@@ -148,6 +148,9 @@ def _deepspeed_problems(cfg: dict, zero: dict, odc_options: dict) -> List[Altern
         add("scheduler_type")
     if odc_options.get("transport") == "cuda_ipc":  # checked when the windows are allocated (CPU tensors here)
         found.append(Alternative(("ODCConfigError",), ("zero_optimization.odc.transport",)))
+    if odc_options.get("accumulator_dtype") == "bf16" and cfg.get("bf16", {}).get("enabled") is not True:
+        # checked when the windows are planned: bf16 accumulators only under a bf16 model
+        found.append(Alternative(("ODCConfigError",), ("zero_optimization.odc.accumulator_dtype",)))
     return found
 
 

@@ -155,6 +155,8 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_
     if runtime is not None:  # what pulls read and pushes add into
         record["window_dtypes"] = (str(runtime.transport.local_param_window().dtype),
                                    str(runtime.transport.local_grad_accumulator().dtype))
+    gradients = engine.optimizer.grad_partitions_flat_buffer  # ZeRO-3's gradient partitions (ODC: its accumulator)
+    record["gradient_bytes"] = gradients.numel() * gradients.element_size()
     for step in range(steps):
         for index in range(gas):
             x, y, _ = micro_batch(step, rank, index)
@@ -176,7 +178,7 @@ def train_pair(configs, steps=10, gas=1, model_kw=None, torch_style=False):
             for stage, kw in configs]
 
 
-def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None):
+def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None, bf16=False):
     """Ranks run ``counts[rank]`` micro-batches per step.
 
     mode "unmanaged": ``managed_gradient_accumulation: false``, ``engine.backward(loss)``;
@@ -187,15 +189,16 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None,
     managed = mode == "managed"
     options = {**({"timeout_s": timeout_s} if timeout_s else {}), **(odc or {})}
     zero = {"odc": options} if (options and stage == "odc") else {}
-    cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, **zero)
+    cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, bf16=bf16, **zero)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(steps):
         n = counts[rank]
         for index in range(n):
             x, y, mask = micro_batch(step, rank, index, masked_out=(rank, index) in masked)
             if mode == "managed":
                 engine.set_gradient_accumulation_boundary(index == n - 1)
-            pred = engine(x)
+            pred = engine(x.to(dtype))
             if mode == "token":
                 engine.backward(mse_token_sum(pred, y, mask), loss_tokens=int(mask.sum().item()))
             else:
@@ -210,6 +213,12 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None,
     result["phase"] = result["phase"].value if result["phase"] is not None else None
     engine.destroy()
     return result
+
+
+def train_uneven_each(odc_options, bf16, mode, counts, steps=3, masked=()):
+    """:func:`train_uneven` on the odc stage once per entry of ``odc_options`` (its ``odc`` argument), in the
+    same ranks."""
+    return [train_uneven("odc", mode, counts, steps, masked, odc=options, bf16=bf16) for options in odc_options]
 
 
 def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
