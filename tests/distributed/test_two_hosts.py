@@ -204,12 +204,14 @@ def test_odc_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases, case):
 
 
 def test_odc_bf16_on_2x2_within_zero3_bf16_self_difference(cases):
-    odc, zero3, zero3_fp32 = cases["bf16_adam_gas1"][0]
+    odc, zero3, zero3_fp32, odc_bf16 = cases["bf16_adam_gas1"][0]
+    assert odc_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")  # ZeRO-3's gradient dtype
     assert odc["window_dtypes"] == ("torch.bfloat16", "torch.float32")
     for step in range(len(odc["params"])):
         zero3_self = worst_rel_diff(zero3["params"][step], zero3_fp32["params"][step])
         assert zero3_self > 0
         assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= zero3_self, step
+        assert worst_rel_diff(odc_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(odc["params"][step], zero3_fp32["params"][step]) <= 2 * zero3_self, step
 
 

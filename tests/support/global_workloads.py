@@ -73,23 +73,38 @@ def traffic() -> dict:
 
 
 def memory() -> dict:
-    """What this rank allocated under global sharding (bf16 model, Adam), with the model's element counts."""
-    engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=ds_config("odc", bf16=True,
-                                                                                                odc=GLOBAL))
+    """What this rank allocated (bf16 model, Adam) under global sharding with fp32 and with bf16 accumulators, and
+    under ZeRO-3 with its default gradient dtype (the model's), with the model's element counts."""
+    result = {"global": _allocated("odc", GLOBAL), "global_bf16": _allocated("odc", {**GLOBAL,
+                                                                                    "accumulator_dtype": "bf16"}),
+              "zero3": _allocated(3, None), "world": tdist.get_world_size()}
+    model = make_model(layers=3, hidden=64)
+    result["trainable"] = [p.numel() for p in model.parameters() if p.requires_grad]
+    result["frozen"] = [p.numel() for p in model.parameters() if not p.requires_grad]
+    return result
+
+
+def _allocated(stage, odc) -> dict:
+    """Bytes of this rank's parameter shards, gradient partitions and optimizer states after one step: on the odc
+    stage its windows, on ZeRO-3 its flat shard buffer with the frozen shards beside it and its gradient buffer."""
+    config = ds_config(stage, bf16=True, **({"odc": odc} if odc else {}))
+    engine, *_ = deepspeed.initialize(model=make_model(layers=3, hidden=64), config=config)
     x, y, _ = micro_batch(0, tdist.get_rank(), 0)
     engine.backward(mse_mean(engine(x.to(torch.bfloat16)), y))
     engine.step()
-    transport = engine.optimizer.odc.transport
-    window, accumulator = transport.local_param_window(), transport.local_grad_accumulator()
-    masters = engine.optimizer.fp32_partitioned_groups_flat
-    state = sum(t.numel() * t.element_size() for s in engine.optimizer.optimizer.state.values()
+    optimizer = engine.optimizer
+    runtime = getattr(optimizer, "odc", None)
+    if runtime is not None:
+        window, gradients = runtime.transport.local_param_window(), runtime.transport.local_grad_accumulator()
+        params = window.numel() * window.element_size()
+    else:
+        gradients = optimizer.grad_partitions_flat_buffer
+        params = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
+    masters = optimizer.fp32_partitioned_groups_flat
+    state = sum(t.numel() * t.element_size() for s in optimizer.optimizer.state.values()
                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    result = {"window_bytes": window.numel() * window.element_size(),
-              "accumulator_bytes": accumulator.numel() * accumulator.element_size(),
-              "optimizer_bytes": sum(m.numel() * m.element_size() for m in masters) + state,
-              "trainable": [p.ds_numel for p in engine.module.parameters() if p.requires_grad],
-              "frozen": [p.ds_numel for p in engine.module.parameters() if not p.requires_grad],
-              "world": tdist.get_world_size()}
+    result = {"param_bytes": params, "gradient_bytes": gradients.numel() * gradients.element_size(),
+              "optimizer_bytes": sum(m.numel() * m.element_size() for m in masters) + state}
     engine.destroy()
     return result
 

@@ -109,12 +109,15 @@ def _parity_configs(optimizer):
     return [("odc", {**options, "odc": {"accumulator_dtype": "fp64"}}), ("odc", options), (3, options)]
 
 
+BF16_ACCUMULATORS = {"accumulator_dtype": "bf16"}
 #: name -> (workload of workloads.py, its arguments); results are compared by test_two_hosts.py
 CASES = {
     "adam_gas3": ("train_pair", lambda: (_parity_configs("adam"), STEPS, 3)),
     "sgd_gas1": ("train_pair", lambda: (_parity_configs("sgd"), STEPS, 1)),
     # bf16 has no exact answer: ODC bf16, ZeRO-3 bf16 and ZeRO-3 fp32 (the bar is ZeRO-3's own bf16 error)
-    "bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True}), (3, {"bf16": True}), (3, {})], STEPS, 1)),
+    # ... and ODC with bf16 accumulators (ZeRO-3's gradient bytes; summed over nodes in bf16 at the step)
+    "bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True}), (3, {"bf16": True}), (3, {}),
+                                               ("odc", {"bf16": True, "odc": BF16_ACCUMULATORS})], STEPS, 1)),
     "uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"])),
     "uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"])),
     "uneven_token": ("train_uneven", lambda: ("odc", "token", UNEVEN["uneven_token"], 3, MASKED)),
@@ -125,7 +128,8 @@ CASES.update({
     "global_adam_gas3": ("train_pair", lambda: ([("odc", {"odc": {**GLOBAL, "accumulator_dtype": "fp64"}}),
                                                  ("odc", {"odc": GLOBAL}), (3, {})], STEPS, 3)),
     "global_bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True, "odc": GLOBAL}), (3, {"bf16": True}),
-                                                      (3, {})], STEPS, 1)),
+                                                      (3, {}), ("odc", {"bf16": True, "odc": {
+                                                          **GLOBAL, **BF16_ACCUMULATORS}})], STEPS, 1)),
     "global_uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
                                                          None, GLOBAL)),
     "global_uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"], 3, (), 2, None,

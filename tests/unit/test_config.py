@@ -229,3 +229,21 @@ def test_fp16_is_refused_unless_the_experimental_switch_lets_it_through(monkeypa
         canonicalize(copy.deepcopy(config))
     monkeypatch.setenv(ENV_EXPERIMENTAL_FP16, "1")  # the GPU kit's fp16 item
     assert canonicalize(copy.deepcopy(config)) is not None
+
+
+def test_bf16_accumulators_are_taken_only_where_they_hold_zero3s_bytes():
+    """accumulator_dtype "bf16": a bf16 model on CPU ranks gets bf16 accumulators; another model dtype, a GPU
+    and deterministic sums (their own fp64 regions) are refused by name."""
+    import torch
+
+    from ds_odc.integration.zero3_windows import accumulator_dtype
+
+    bf16 = parse_options({"accumulator_dtype": "bf16"})
+    assert accumulator_dtype(bf16, torch.bfloat16, "cpu") is torch.bfloat16
+    assert accumulator_dtype(parse_options({}), torch.bfloat16, "cpu") is torch.float32
+    with pytest.raises(ODCConfigError, match="accumulator_dtype='bf16' needs a bf16 model.*torch.float32"):
+        accumulator_dtype(bf16, torch.float32, "cpu")
+    with pytest.raises(ODCConfigError, match="accumulator_dtype='bf16' on cuda:0"):
+        accumulator_dtype(bf16, torch.bfloat16, "cuda:0")
+    with pytest.raises(ODCConfigError, match="leave accumulator_dtype='bf16' out"):
+        parse_options({"accumulator_dtype": "bf16", "deterministic": True})
