@@ -45,6 +45,23 @@ def test_fixed_seeds_train_as_one_process_and_zero3_or_are_refused_by_name(tmp_p
 
 
 # -- the generator, the oracle and the comparison, without ranks ------------------------------------------------------
+#: Fixed seeds' bf16 jobs rerun with bf16 accumulators (``accumulator_dtype: "bf16"``): split micro-batches with
+#: zero counts, offloads and offload_states mid-step (2416); both offloads, a reference model and the caller's
+#: scaled loss (1474); a checkpoint and generate() (1730); fixed SP with uneven counts (462); a mean loss with an
+#: idle rank (64).
+BF16_ACCUMULATOR_SEEDS = (2416, 1474, 1730, 462, 64)
+
+
+def test_bf16_accumulators_train_the_fixed_bf16_jobs_as_one_process_does(tmp_path):
+    """bf16 accumulators round every push to bf16 (ZeRO-3's default gradient dtype), which fp32 ones do not: the
+    same bars against the bf16 one-process reference as the fixed seeds' bf16 runs, in every feature they meet."""
+    bf16_jobs = [dataclasses.replace(draw(seed), accumulator="bf16") for seed in BF16_ACCUMULATOR_SEEDS]
+    assert all(job.dtype == "bf16" and expected_refusal(job) is None for job in bf16_jobs)
+    verdicts = reference.run_jobs(bf16_jobs, str(tmp_path), zero3=False)
+    failures = [f"{job.describe()}\n  " + "\n  ".join(problems) for job, problems in verdicts if problems]
+    assert not failures, f"{len(failures)} of {len(bf16_jobs)} jobs:\n\n" + "\n\n".join(failures)
+
+
 def test_a_job_is_reproduced_from_its_seed_alone():
     for seed in (0, 1, 12345, 2 ** 31 - 1):
         assert draw(seed) == draw(seed) == jobs.Job.from_seed(seed)

@@ -124,6 +124,9 @@ class Job:
     checkpoint_at: Optional[int] = None
     generate_at: Optional[int] = None
     world: int = WORLD
+    #: the policy engine's odc.accumulator_dtype: not an axis (no seed draws it), set by tests that rerun drawn
+    #: jobs with bf16 accumulators (test_combinations.py)
+    accumulator: str = "fp32"
 
     @classmethod
     def from_seed(cls, seed: int) -> "Job":
@@ -188,6 +191,8 @@ class Job:
         for name in ("offload_at", "checkpoint_at", "generate_at"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)}")
+        if self.accumulator != "fp32":
+            parts.append(f"accumulator={self.accumulator}")
         parts.append(f"rule={self.rule}")
         parts.append("counts/step=" + " ".join("/".join(map(str, c)) for c in self.counts_per_step()))
         parts.append("lengths=" + " ".join(",".join(map(str, s.lengths)) for s in self.layout))

@@ -74,6 +74,8 @@ def _zero(job: Job, stage, shm_dir: str, frozen: bool) -> dict:
         odc: dict = {"timeout_s": TIMEOUT_S, "shm_dir": shm_dir}
         if not frozen and job.activation_offload != "none":
             odc["activation_offload"] = {"budget_mb": 0, "mode": job.activation_offload}
+        if not frozen and job.accumulator != "fp32":
+            odc["accumulator_dtype"] = job.accumulator
         if not frozen and job.split:
             odc["balance"] = {"policy": "lb-mini-split", "token_cap": SPLIT_CAP, "max_group": 2,
                               "min_chunk_tokens": MIN_CHUNK_TOKENS}
