@@ -84,11 +84,16 @@ class RemoteWindows:
     def read_many(self, reads: Sequence[Transfer], doing: str = "pulling parameters") -> Completion:
         """Every ``transfer.tensor`` filled from ``transfer.owner``'s (a job rank) window at ``offset``.
         Every request is sent before the first reply is awaited; returns when all have arrived."""
-        window_dtype = self.window().dtype
+        window = self.window()
+        window_dtype, window_numel = window.dtype, window.numel()
         sends: list[tuple[int, Any]] = []
         replies: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
         for transfer in reads:
             out = transfer.tensor
+            if transfer.offset < 0 or transfer.offset + out.numel() > window_numel:
+                # every rank's window has this rank's size (one block each): an owner could not answer it
+                raise ValueError(f"a read of {out.numel()} elements at offset {transfer.offset} from rank "
+                                 f"{transfer.owner} on another node lies beyond its window ({window_numel} elements)")
             landing = out if out.dtype == window_dtype and out.is_contiguous() else \
                 torch.empty(out.numel(), dtype=window_dtype)
             header = torch.tensor([READ, transfer.offset, out.numel(), 0], dtype=torch.int64)
@@ -170,7 +175,13 @@ class RemoteWindows:
                 on_exit()
 
     def _answer_requests(self) -> None:
+        """Serve requests until every peer has said STOP. Replies are sent without waiting for them to leave:
+        a requester that stops reading (stalled mid-pull, its socket full) holds up only its own replies, and
+        this thread goes on serving the others. A reply is a view of the window: the protocol keeps it
+        unchanged until the requester has it (an owner updates only after every rank's fence, which a
+        requester reaches only with its replies in hand)."""
         header = torch.zeros(HEADER_WIDTH, dtype=torch.int64)
+        replies: list[Any] = []  # on their way
         while self._stops < self.world_size - 1:
             try:
                 source = tdist.recv(header, None, group=self.group, tag=REQUEST)
@@ -180,20 +191,32 @@ class RemoteWindows:
             op, offset, numel, code = (int(v) for v in header.tolist())
             try:
                 if op == READ:
-                    tdist.send(self.window().narrow(0, offset, numel), source, group=self.group, tag=REPLY)
+                    replies.append(tdist.isend(self.window().narrow(0, offset, numel), source, group=self.group,
+                                               tag=REPLY))
                     self.served_reads += 1
                 elif op == PUSH:
-                    self._serve_push(source, offset, numel, DTYPES[code])
+                    replies.append(self._serve_push(source, offset, numel, DTYPES[code]))
                 elif op == STOP:
                     self._stops += 1
             except Exception as err:  # noqa: BLE001 - that requester raises; this thread serves the others
                 self.server_error = err
                 _log.error(f"ds_odc: rank {self.rank} could not serve rank {source}'s request {header.tolist()}: "
                            f"{type(err).__name__}: {err}")
+            replies = [work for work in replies if work is not None and not work.is_completed()]
 
-    def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> None:
+    def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> Any:
+        """Receive a push's payload (bounded: a pusher stalled between its header and its payload must not stop
+        this thread), add it, and send the status; returns the status's send."""
         payload = torch.empty(numel, dtype=dtype)
-        tdist.recv(payload, source, group=self.group, tag=PAYLOAD)
+        try:
+            arriving = tdist.irecv(payload, source, group=self.group, tag=PAYLOAD)
+            assert arriving is not None  # a member of the group (every rank of the job is)
+            arriving.wait(self.timeout)
+        except Exception as err:  # noqa: BLE001 - that pusher is stuck or gone: its own node names it
+            self.server_error = err
+            _log.error(f"ds_odc: rank {self.rank} gave up on the payload of rank {source}'s push after "
+                       f"{self.timeout_s:.0f}s: {type(err).__name__}: {err}")
+            return None
         status = 0
         try:
             self.add_own(offset, payload)
@@ -202,7 +225,7 @@ class RemoteWindows:
             status = 1
             self.server_error = err
             _log.error(f"ds_odc: rank {self.rank} could not add rank {source}'s push: {type(err).__name__}: {err}")
-        tdist.send(torch.tensor([status], dtype=torch.int64), source, group=self.group, tag=REPLY)
+        return tdist.isend(torch.tensor([status], dtype=torch.int64), source, group=self.group, tag=REPLY)
 
     @property
     def serving(self) -> bool:

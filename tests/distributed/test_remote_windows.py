@@ -1,0 +1,28 @@
+"""The protocol that reaches owners on other nodes (ds_odc/comm/remote.py), on one host without engines: what
+its server does when a requester misbehaves. test_two_hosts_global.py runs it under engines across hosts."""
+import pytest
+
+from tests.support.harness import run_ranks
+from tests.support.remote_workloads import WINDOW_NUMEL, stalled_requester
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(stalled_requester, 3, timeout=120)
+
+
+def test_a_requester_that_stops_reading_holds_up_only_its_own_replies(ranks):
+    """Rank 2 asks rank 0 for 16 MiB and never reads the reply (stalled mid-pull): rank 0's server goes on
+    answering rank 1's read and push at once, instead of waiting on rank 2's socket until a timeout."""
+    owner, requester, _ = ranks
+    assert requester["waited_s"] < 5.0, requester  # the bound a blocked server would have made it wait: 20 s
+    assert requester["read"] == [float(100 + i) for i in range(8)]
+    assert owner["accumulator"][4:8] == [1.0] * 4 and owner["served_reads"] == 2
+
+
+def test_a_read_beyond_the_owners_window_is_refused_before_it_is_sent(ranks):
+    """Every rank's window has the same size under global sharding: a read past it is refused at once, naming
+    the owner and the sizes, instead of waiting for a reply the owner could not send."""
+    _, requester, _ = ranks
+    assert f"lies beyond its window ({WINDOW_NUMEL} elements)" in requester["beyond"], requester
+    assert "from rank 0" in requester["beyond"]

@@ -1,0 +1,56 @@
+"""Ranks driving :class:`ds_odc.comm.remote.RemoteWindows` directly on one host (its protocol, without engines):
+``tests/distributed/test_remote_windows.py``. The engines that use it across real hosts are in global_workloads."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as tdist
+
+from ds_odc.comm.batch import Transfer
+from ds_odc.comm.remote import READ, REQUEST, RemoteWindows
+
+#: Elements of each rank's window: a reply far larger than a socket's buffers, so that one nobody reads stays
+#: unsent (16 MiB of fp32).
+WINDOW_NUMEL = 4 << 20
+
+
+def _windows(timeout_s: float):
+    """This rank's window (its rank + position, fp32), its accumulator, and RemoteWindows over a group of all."""
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    window = torch.arange(WINDOW_NUMEL, dtype=torch.float32) + rank * WINDOW_NUMEL
+    accumulator = torch.zeros(16, dtype=torch.float32)
+    group = tdist.new_group(list(range(world)), backend="gloo")
+    remote = RemoteWindows(group, rank, world, timeout_s, window=lambda: window,
+                           add_own=lambda offset, grad: accumulator.narrow(0, offset, grad.numel()).add_(grad))
+    return remote, window, accumulator, group
+
+
+def stalled_requester(timeout_s: float = 20.0) -> dict:
+    """Rank 2 asks rank 0 for its whole window and never reads the reply (a requester stopped mid-pull); then
+    rank 1 reads from and pushes to rank 0. Rank 0's server must go on serving rank 1: returns how long rank 1
+    waited, and what it got."""
+    remote, window, accumulator, group = _windows(timeout_s)
+    rank = tdist.get_rank()
+    result: dict = {}
+    if rank == 2:
+        header = torch.tensor([READ, 0, WINDOW_NUMEL, 0], dtype=torch.int64)
+        tdist.isend(header, 0, group=group, tag=REQUEST).wait()
+    tdist.barrier()  # rank 2's request is in rank 0's server before rank 1 asks
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's server has taken rank 2's request first
+        out = torch.empty(8, dtype=torch.float32)
+        start = time.monotonic()
+        remote.read_many([Transfer(0, 100, out)])
+        remote.accumulate_many([Transfer(0, 4, torch.ones(4))])
+        result = {"waited_s": time.monotonic() - start, "read": out.tolist()}
+    tdist.barrier()
+    if rank == 0:
+        result = {"accumulator": accumulator.tolist(), "served_reads": remote.served_reads}
+    if rank == 1:
+        try:
+            remote.read_many([Transfer(0, WINDOW_NUMEL - 4, torch.empty(8))])
+        except ValueError as err:
+            result["beyond"] = str(err)
+    remote.close(wait_s=2.0)
+    return result
