@@ -48,6 +48,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CAUSE_GRACE_S = 10.0
 #: How long closing waits for its stops to be sent (peers that are gone or unreachable need none).
 STOP_WAIT_S = 2.0
+#: Replies on their way before the server first looks which have left (then twice what stayed, plus this).
+REAP_EVERY = 64
 
 _log = logging.getLogger("ds_odc")
 
@@ -77,6 +79,7 @@ class RemoteWindows:
         self._exit_lock = threading.Lock()
         self._on_exit: Optional[Callable[[], None]] = None
         self._ended = False
+        self._replies_left = 0  # replies the ended server could not see leave (see _drain)
         self._server = threading.Thread(target=self._serve, name=f"ds_odc-remote-server-{rank}", daemon=True)
         self._server.start()
 
@@ -171,7 +174,7 @@ class RemoteWindows:
             with self._exit_lock:
                 self._ended = True
                 on_exit, self._on_exit = self._on_exit, None
-            if on_exit is not None:
+            if on_exit is not None and not self._replies_left:
                 on_exit()
 
     def _answer_requests(self) -> None:
@@ -182,6 +185,22 @@ class RemoteWindows:
         requester reaches only with its replies in hand)."""
         header = torch.zeros(HEADER_WIDTH, dtype=torch.int64)
         replies: list[Any] = []  # on their way
+        try:
+            self._serve_until_stopped(header, replies)
+        finally:
+            self._drain(replies)
+
+    def _drain(self, replies: list) -> None:
+        """Wait (bounded) for the replies still on their way: they read the window, which must stay mapped until
+        they have left. Every requester that said STOP had its replies; one left over is to a requester that
+        stopped reading and never said STOP (it is stuck; its node names it). Such a reply keeps the windows:
+        ``_replies_left`` tells :meth:`close` and :meth:`after_serving` not to free them (they go with the
+        process; the shared-memory files are unlinked at start-up already)."""
+        deadline = time.monotonic() + min(STOP_WAIT_S, self.timeout_s)
+        self._replies_left = len(_still_sending(replies, lambda: max(0.001, deadline - time.monotonic())))
+
+    def _serve_until_stopped(self, header: torch.Tensor, replies: list) -> None:
+        reap_at = REAP_EVERY  # replies on their way when they are next looked at (see _still_sending)
         while self._stops < self.world_size - 1:
             try:
                 source = tdist.recv(header, None, group=self.group, tag=REQUEST)
@@ -202,7 +221,9 @@ class RemoteWindows:
                 self.server_error = err
                 _log.error(f"ds_odc: rank {self.rank} could not serve rank {source}'s request {header.tolist()}: "
                            f"{type(err).__name__}: {err}")
-            replies = [work for work in replies if work is not None and not work.is_completed()]
+            if len(replies) >= reap_at:
+                replies[:] = _still_sending([work for work in replies if work is not None], lambda: 0.001)
+                reap_at = 2 * len(replies) + REAP_EVERY  # replies that stay (a stuck requester's) cost once
 
     def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> Any:
         """Receive a push's payload (bounded: a pusher stalled between its header and its payload must not stop
@@ -233,20 +254,21 @@ class RemoteWindows:
 
     def after_serving(self, release: Callable[[], None]) -> None:
         """Call ``release`` (what frees the windows this thread reads and adds into) once the server has
-        ended: at once if it has."""
+        ended: at once if it has; never if a reply of it may still read them (see :meth:`_drain`)."""
         with self._exit_lock:
             if not self._ended:
                 self._on_exit = release
                 return
-        release()
+        if not self._replies_left:
+            release()
 
     def close(self, wait_s: float = 0.0) -> bool:
         """Tell every peer's server that this rank sends no more requests. This rank's own server ends
         once every peer has said the same (it still answers peers that are not done); ``wait_s``: how
-        long to wait for that here. Returns whether it has ended (then nothing reads the windows any
-        more); if not, the thread is a daemon and ends by itself when the last peer closes. Idempotent."""
+        long to wait for that here. Returns whether it has ended with every reply gone (then nothing reads the
+        windows any more); if not, the thread is a daemon and ends by itself when the last peer closes. Idempotent."""
         if self._closed:
-            return not self._server.is_alive()
+            return self._done()
         self._closed = True
         stop = torch.tensor([STOP, 0, 0, 0], dtype=torch.int64)
         sends: list[Any] = []
@@ -264,4 +286,21 @@ class RemoteWindows:
                 pass
         if wait_s > 0:
             self._server.join(wait_s)
-        return not self._server.is_alive()
+        return self._done()
+
+    def _done(self) -> bool:
+        """The server has ended and no reply of it still reads the windows."""
+        return not self._server.is_alive() and not self._replies_left
+
+
+def _still_sending(replies: list, within_s: Callable[[], float]) -> list:
+    """The sends of ``replies`` that have not left within ``within_s()`` seconds each. A gloo send is marked
+    complete only by a ``wait``, so each is waited for; a send that failed (its peer is gone) has left too."""
+    left = []
+    for work in replies:
+        try:
+            work.wait(datetime.timedelta(seconds=within_s()))
+        except Exception as err:  # noqa: BLE001 - a timeout keeps it; any other error ends it
+            if "timed out" in str(err).lower():
+                left.append(work)
+    return left
