@@ -1,4 +1,5 @@
-"""ODC's ``cross_node`` modes ("replicate", "global") and ZeRO-3, measured on two hosts (2 nodes x 2 CPU ranks).
+"""ODC's ``cross_node`` modes ("replicate", "global"; "global-bf16": global with ``accumulator_dtype: "bf16"``) and
+ZeRO-3, measured on two hosts (2 nodes x 2 CPU ranks).
 
 The two hosts are the test bed's (``tests/support/netns.py``): network, mount and UTS namespaces on this
 machine joined by a veth pair, each host its own ``/dev/shm``. Every mode is one fresh ``torchrun --nnodes 2
@@ -13,7 +14,8 @@ bf16, Adam) for warm-up + measured steps of 2 micro-batches each, and reports pe
   link's collectives per step (counted); ZeRO-3: an estimate, ``3 * c * P * (W - 1) / W`` per micro-batch
   (two all-gathers and a reduce-scatter of a ring over all W ranks, c bytes per element), not measured;
 * the bytes of the parameter window and gradient accumulator this rank allocated (ODC: the transport's
-  ``local_param_window()`` / ``local_grad_accumulator()``; ZeRO-3: its parameter partitions, ``ds_tensor``);
+  ``local_param_window()`` / ``local_grad_accumulator()``; ZeRO-3: its parameter partitions, ``ds_tensor``, and
+  its gradient partitions, ``grad_partitions_flat_buffer``);
 * RSS after ``deepspeed.initialize`` (psutil) and peak RSS (``getrusage``'s ``ru_maxrss``).
 
     python benchmarks/cross_node_modes.py            # hidden 1024, 24 layers (~26M parameters), 2 + 3 steps
@@ -33,7 +35,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODES = ("replicate", "global", "zero3")
+MODES = ("replicate", "global", "global-bf16", "zero3")
+#: each ODC mode's odc block
+ODC_OPTIONS = {"replicate": {"cross_node": "replicate"}, "global": {"cross_node": "global"},
+               "global-bf16": {"cross_node": "global", "accumulator_dtype": "bf16"}}
 NODES, LOCAL = 2, 2
 WORLD = NODES * LOCAL
 MICRO_BATCHES = 2
@@ -56,7 +61,7 @@ def rank_main(mode: str, out_dir: str, hidden: int, layers: int, warmup: int, st
     if mode == "zero3":
         config = ds_config(3, gas=MICRO_BATCHES, bf16=True)
     else:
-        config = ds_config("odc", gas=MICRO_BATCHES, bf16=True, odc={"cross_node": mode})
+        config = ds_config("odc", gas=MICRO_BATCHES, bf16=True, odc=ODC_OPTIONS[mode])
     model = make_model(layers=layers, hidden=hidden)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -89,7 +94,9 @@ def rank_main(mode: str, out_dir: str, hidden: int, layers: int, warmup: int, st
                       counters=counters)
     else:
         partitions = [p.ds_tensor for p in engine.module.parameters()]
-        result.update(window_bytes=sum(t.numel() * t.element_size() for t in partitions), accumulator_bytes=None,
+        gradients = engine.optimizer.grad_partitions_flat_buffer
+        result.update(window_bytes=sum(t.numel() * t.element_size() for t in partitions),
+                      accumulator_bytes=gradients.numel() * gradients.element_size(),
                       compute_element=partitions[0].element_size())
     engine.destroy()
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as out:
@@ -110,7 +117,7 @@ def _counters(odc) -> dict:
 # -- what a rank's numbers mean --------------------------------------------------------------------------
 def cross_node_bytes(result: dict, steps: int) -> tuple[float, str]:
     """Cross-node bytes per step of one rank, and how they were obtained."""
-    if result["mode"] == "global":
+    if result["mode"].startswith("global"):
         first, last = result["counters"]
         moved = (last["bytes_read"] - first["bytes_read"]) + (last["bytes_pushed"] - first["bytes_pushed"])
         return moved / steps, "measured"
@@ -138,7 +145,7 @@ def markdown(results: dict, steps: int, hidden: int, layers: int, warmup: int) -
     for mode in MODES:
         for result in results.get(mode, []):
             moved, how = cross_node_bytes(result, steps)
-            if mode == "global":
+            if mode.startswith("global"):
                 how += (f": read {per_step(result, 'bytes_read', steps) / mib:.1f} in "
                         f"{per_step(result, 'reads', steps):.0f} reads, pushed "
                         f"{per_step(result, 'bytes_pushed', steps) / mib:.1f} in "
@@ -147,7 +154,7 @@ def markdown(results: dict, steps: int, hidden: int, layers: int, warmup: int) -
                 how += f" ({per_step(result, 'collectives', steps):.0f} link collectives/step)"
             else:
                 how += " (3cP(W-1)/W per micro-batch)"
-            accumulator = "n/a" if result["accumulator_bytes"] is None else f"{result['accumulator_bytes'] / mib:.1f}"
+            accumulator = f"{result['accumulator_bytes'] / mib:.1f}" + (" (grad partitions)" if mode == "zero3" else "")
             window = f"{result['window_bytes'] / mib:.1f}" + (" (param partitions)" if mode == "zero3" else "")
             lines.append(f"| {'ZeRO-3' if mode == 'zero3' else mode} | {result['rank']} | "
                          f"{statistics.median(result['step_s']):.3f} | {moved / mib:.1f} | {how} | {window} | "
