@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -48,8 +49,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CAUSE_GRACE_S = 10.0
 #: How long closing waits for its stops to be sent (peers that are gone or unreachable need none).
 STOP_WAIT_S = 2.0
-#: Replies on their way before the server first looks which have left (then twice what stayed, plus this).
-REAP_EVERY = 64
 
 _log = logging.getLogger("ds_odc")
 
@@ -79,6 +78,9 @@ class RemoteWindows:
         self._exit_lock = threading.Lock()
         self._on_exit: Optional[Callable[[], None]] = None
         self._ended = False
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()  # sends of replies, for _see_replies_leave
+        self._replies_lock = threading.Lock()
+        self._replies_in_flight = 0
         self._replies_left = 0  # replies the ended server could not see leave (see _drain)
         self._server = threading.Thread(target=self._serve, name=f"ds_odc-remote-server-{rank}", daemon=True)
         self._server.start()
@@ -178,29 +180,54 @@ class RemoteWindows:
                 on_exit()
 
     def _answer_requests(self) -> None:
-        """Serve requests until every peer has said STOP. Replies are sent without waiting for them to leave:
-        a requester that stops reading (stalled mid-pull, its socket full) holds up only its own replies, and
-        this thread goes on serving the others. A reply is a view of the window: the protocol keeps it
-        unchanged until the requester has it (an owner updates only after every rank's fence, which a
-        requester reaches only with its replies in hand)."""
+        """Serve requests until every peer has said STOP. Replies are sent without waiting for them to leave
+        (:meth:`_see_replies_leave` waits for them, on a thread of its own): a requester that stops reading
+        (stalled mid-pull, its socket full) holds up only its own replies, and this thread goes on serving the
+        others. A reply is a view of the window: the protocol keeps it unchanged until the requester has it (an
+        owner updates only after every rank's fence, which a requester reaches only with its replies in hand)."""
         header = torch.zeros(HEADER_WIDTH, dtype=torch.int64)
-        replies: list[Any] = []  # on their way
+        leaving = threading.Thread(target=self._see_replies_leave, name=f"ds_odc-remote-replies-{self.rank}",
+                                   daemon=True)
+        leaving.start()
         try:
-            self._serve_until_stopped(header, replies)
+            self._serve_until_stopped(header)
         finally:
-            self._drain(replies)
+            self._drain()
 
-    def _drain(self, replies: list) -> None:
+    def _send_reply(self, tensor: torch.Tensor, requester: int) -> None:
+        with self._replies_lock:
+            self._replies_in_flight += 1
+        self._replies.put(tdist.isend(tensor, requester, group=self.group, tag=REPLY))
+
+    def _see_replies_leave(self) -> None:
+        """Wait for each reply to leave, in the order they were sent. Never with a timeout: on a timeout gloo
+        fails every connection of the group (a reply still streaming to a requester would end the job). A
+        reply to a requester that is gone fails at once; one to a stuck requester waits here (a daemon thread)
+        until the group's own timeout."""
+        while True:
+            work = self._replies.get()
+            if work is None:
+                return
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - that requester is gone: its reply need not leave
+                pass
+            with self._replies_lock:
+                self._replies_in_flight -= 1
+
+    def _drain(self) -> None:
         """Wait (bounded) for the replies still on their way: they read the window, which must stay mapped until
         they have left. Every requester that said STOP had its replies; one left over is to a requester that
         stopped reading and never said STOP (it is stuck; its node names it). Such a reply keeps the windows:
         ``_replies_left`` tells :meth:`close` and :meth:`after_serving` not to free them (they go with the
         process; the shared-memory files are unlinked at start-up already)."""
         deadline = time.monotonic() + min(STOP_WAIT_S, self.timeout_s)
-        self._replies_left = len(_still_sending(replies, lambda: max(0.001, deadline - time.monotonic())))
+        while self._replies_in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._replies_left = self._replies_in_flight
+        self._replies.put(None)  # the waiting thread ends after the replies before it
 
-    def _serve_until_stopped(self, header: torch.Tensor, replies: list) -> None:
-        reap_at = REAP_EVERY  # replies on their way when they are next looked at (see _still_sending)
+    def _serve_until_stopped(self, header: torch.Tensor) -> None:
         while self._stops < self.world_size - 1:
             try:
                 source = tdist.recv(header, None, group=self.group, tag=REQUEST)
@@ -210,24 +237,21 @@ class RemoteWindows:
             op, offset, numel, code = (int(v) for v in header.tolist())
             try:
                 if op == READ:
-                    replies.append(tdist.isend(self.window().narrow(0, offset, numel), source, group=self.group,
-                                               tag=REPLY))
+                    self._send_reply(self.window().narrow(0, offset, numel), source)
                     self.served_reads += 1
                 elif op == PUSH:
-                    replies.append(self._serve_push(source, offset, numel, DTYPES[code]))
+                    self._serve_push(source, offset, numel, DTYPES[code])
                 elif op == STOP:
                     self._stops += 1
             except Exception as err:  # noqa: BLE001 - that requester raises; this thread serves the others
                 self.server_error = err
                 _log.error(f"ds_odc: rank {self.rank} could not serve rank {source}'s request {header.tolist()}: "
                            f"{type(err).__name__}: {err}")
-            if len(replies) >= reap_at:
-                replies[:] = _still_sending([work for work in replies if work is not None], lambda: 0.001)
-                reap_at = 2 * len(replies) + REAP_EVERY  # replies that stay (a stuck requester's) cost once
 
-    def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> Any:
+    def _serve_push(self, source: int, offset: int, numel: int, dtype: torch.dtype) -> None:
         """Receive a push's payload (bounded: a pusher stalled between its header and its payload must not stop
-        this thread), add it, and send the status; returns the status's send."""
+        this thread; on that timeout gloo fails the group's connections, which ends the job as a stalled rank
+        does anyway), add it, and send the status."""
         payload = torch.empty(numel, dtype=dtype)
         try:
             arriving = tdist.irecv(payload, source, group=self.group, tag=PAYLOAD)
@@ -237,7 +261,7 @@ class RemoteWindows:
             self.server_error = err
             _log.error(f"ds_odc: rank {self.rank} gave up on the payload of rank {source}'s push after "
                        f"{self.timeout_s:.0f}s: {type(err).__name__}: {err}")
-            return None
+            return
         status = 0
         try:
             self.add_own(offset, payload)
@@ -246,7 +270,7 @@ class RemoteWindows:
             status = 1
             self.server_error = err
             _log.error(f"ds_odc: rank {self.rank} could not add rank {source}'s push: {type(err).__name__}: {err}")
-        return tdist.isend(torch.tensor([status], dtype=torch.int64), source, group=self.group, tag=REPLY)
+        self._send_reply(torch.tensor([status], dtype=torch.int64), source)
 
     @property
     def serving(self) -> bool:
@@ -292,15 +316,3 @@ class RemoteWindows:
         """The server has ended and no reply of it still reads the windows."""
         return not self._server.is_alive() and not self._replies_left
 
-
-def _still_sending(replies: list, within_s: Callable[[], float]) -> list:
-    """The sends of ``replies`` that have not left within ``within_s()`` seconds each. A gloo send is marked
-    complete only by a ``wait``, so each is waited for; a send that failed (its peer is gone) has left too."""
-    left = []
-    for work in replies:
-        try:
-            work.wait(datetime.timedelta(seconds=within_s()))
-        except Exception as err:  # noqa: BLE001 - a timeout keeps it; any other error ends it
-            if "timed out" in str(err).lower():
-                left.append(work)
-    return left

@@ -13,12 +13,19 @@ from ds_odc.comm.remote import READ, REQUEST, RemoteWindows
 #: Elements of each rank's window: a reply far larger than a socket's buffers, so that one nobody reads stays
 #: unsent (16 MiB of fp32).
 WINDOW_NUMEL = 4 << 20
+#: Reads of one pipelined batch, and elements each (100 MiB in flight from one owner).
+MANY_READS, MANY_NUMEL = 100, 1 << 18
+
+
+def window_of(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s window: its rank + position, fp32 (every rank can say what another's holds)."""
+    return torch.arange(WINDOW_NUMEL, dtype=torch.float32) + rank * WINDOW_NUMEL
 
 
 def _windows(timeout_s: float):
     """This rank's window (its rank + position, fp32), its accumulator, and RemoteWindows over a group of all."""
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    window = torch.arange(WINDOW_NUMEL, dtype=torch.float32) + rank * WINDOW_NUMEL
+    window = window_of(rank)
     accumulator = torch.zeros(16, dtype=torch.float32)
     group = tdist.new_group(list(range(world)), backend="gloo")
     remote = RemoteWindows(group, rank, world, timeout_s, window=lambda: window,
@@ -44,6 +51,12 @@ def stalled_requester(timeout_s: float = 20.0) -> dict:
         remote.read_many([Transfer(0, 100, out)])
         remote.accumulate_many([Transfer(0, 4, torch.ones(4))])
         result = {"waited_s": time.monotonic() - start, "read": out.tolist()}
+        # many large replies in flight at once (a module's pull): all arrive, every byte where it belongs
+        outs = [torch.empty(MANY_NUMEL) for _ in range(MANY_READS)]
+        remote.read_many([Transfer(0, (i * MANY_NUMEL) % (WINDOW_NUMEL - MANY_NUMEL), out)
+                          for i, out in enumerate(outs)])
+        result["many_ok"] = all(bool((out == window_of(0).narrow(0, (i * MANY_NUMEL) % (WINDOW_NUMEL - MANY_NUMEL),
+                                                                   MANY_NUMEL)).all()) for i, out in enumerate(outs))
     tdist.barrier()
     if rank == 0:
         result = {"accumulator": accumulator.tolist(), "served_reads": remote.served_reads}
