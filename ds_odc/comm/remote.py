@@ -195,9 +195,10 @@ class RemoteWindows:
             self._drain()
 
     def _send_reply(self, tensor: torch.Tensor, requester: int) -> None:
+        sending = tdist.isend(tensor, requester, group=self.group, tag=REPLY)  # raises if that requester is gone
         with self._replies_lock:
             self._replies_in_flight += 1
-        self._replies.put(tdist.isend(tensor, requester, group=self.group, tag=REPLY))
+        self._replies.put(sending)
 
     def _see_replies_leave(self) -> None:
         """Wait for each reply to leave, in the order they were sent. Never with a timeout: on a timeout gloo
