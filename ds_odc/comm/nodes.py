@@ -48,13 +48,18 @@ class JobNodes:
     def first_rank(self) -> int:
         return self.node * self.local_world
 
-    def link(self, timeout_s: float, heartbeat) -> CrossNodeLink:
+    def link(self, timeout_s: float, heartbeat, global_sharding: bool = False) -> CrossNodeLink:
         """This rank's link with the other nodes: nothing to exchange on one node; on several, the
-        cross-node group's collectives, watched by the job's failure board (its own store connection)."""
+        cross-node group's collectives, watched by the job's failure board (its own store connection).
+        ``global_sharding``: the windows are laid out one block per rank (the resolved cross_node mode, not
+        whether the job's group for remote pulls exists: "auto" makes it and may still resolve to replicate,
+        whose step must sum the nodes' accumulators)."""
         if self.node_count == 1:
             return CrossNodeLink()
+        if global_sharding and self.remote_group is None:
+            raise ValueError("global sharding without the job's group for pulls across nodes")
         board = FailureBoard(job_store(timeout_s), self.board_key, timeout_s)
-        kind = TorchDistributedLink if self.remote_group is None else GlobalLink
+        kind = GlobalLink if global_sharding else TorchDistributedLink
         return kind(self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
 
     def agree(self, error: Optional[BaseException], doing: str) -> None:

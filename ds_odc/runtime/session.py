@@ -106,7 +106,7 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
     remote = None
     try:
         nodes.agree(failure, "allocating its ODC windows")
-        link = nodes.link(plan.timeout_s, transport.heartbeat)
+        link = nodes.link(plan.timeout_s, transport.heartbeat, global_sharding=spread)
         if spread:
             assert nodes.remote_group is not None
             remote = RemoteWindows(nodes.remote_group, tdist.get_rank(), nodes.topology.world_size, plan.timeout_s,

@@ -21,7 +21,8 @@ FP32_TOL = 1e-6  # the parity bars of test_two_hosts.py
 FP32_ARRIVAL_ORDER_TOL = 4e-6
 CASES = ("global_adam_gas3", "global_bf16_adam_gas1", "global_uneven_unmanaged", "global_uneven_managed",
          "global_uneven_token", "global_collectives", "global_traffic", "global_memory", "global_refusals",
-         "global_frozen", "global_bitwise", "global_delayed", "global_auto")
+         "global_frozen", "global_bitwise", "global_delayed", "global_auto", "auto_replicate_uneven",
+         "auto_global_uneven")
 
 _ok, _reason = available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (network/mount/UTS namespaces): {_reason}")
@@ -80,6 +81,17 @@ def test_global_sharding_uneven_counts_across_nodes_equal_single_process(cases, 
         diff = worst_rel_diff(result["params"], expected)
         assert diff <= FP32_TOL, f"{case} {counts}, rank {rank}: {diff:.2e} from the single-process reference"
         assert result["phase"] == "idle"
+
+
+@pytest.mark.parametrize("case,mode,counts", [("auto_replicate_uneven", "unmanaged", UNEVEN["uneven_unmanaged"]),
+                                              ("auto_global_uneven", "managed", UNEVEN["uneven_managed"])])
+def test_auto_trains_as_one_process_whichever_mode_it_resolves_to(cases, case, mode, counts):
+    """cross_node "auto" resolved to replicate (no budget) sums gradients over the nodes at the step as replicate
+    does, and resolved to global reaches owners on the other node: one process's training, uneven counts."""
+    expected = reference_training(mode, counts)
+    for rank, result in enumerate(cases[case]):
+        diff = worst_rel_diff(result["params"], expected)
+        assert diff <= FP32_TOL, f"{case} {counts}, rank {rank}: {diff:.2e} from the single-process reference"
 
 
 def test_no_pull_sees_an_owner_mid_update_and_no_update_precedes_a_push_sent_to_it(cases):

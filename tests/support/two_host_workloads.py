@@ -136,6 +136,11 @@ CASES.update({
                                                        GLOBAL)),
     "global_uneven_token": ("train_uneven", lambda: ("odc", "token", UNEVEN["uneven_token"], 3, MASKED, 2, None,
                                                      GLOBAL)),
+    # cross_node "auto", resolving to replicate (no budget) and to global (a budget nothing fits in)
+    "auto_replicate_uneven": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
+                                                       None, {"cross_node": "auto"})),
+    "auto_global_uneven": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"], 3, (), 2, None,
+                                                    {"cross_node": "auto", "node_replica_budget_gb": 1e-9})),
 })
 #: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
 UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
