@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from ds_odc.comm.replica_link import ReplicaBlocks, pack, unpack
+from ds_odc.runtime.cross_node_plan import choose_replicated_layers
 from ds_odc.runtime.layout import owner_slices
 from ds_odc.runtime.replica_layout import BudgetLayout, group_layers, layer_name
+from ds_odc.runtime.session import SessionPlan, Shard
 
 
 @pytest.mark.parametrize("name, layer", [
@@ -142,3 +144,20 @@ def test_a_reader_finds_every_owners_shard_of_a_replicated_param_on_its_own_node
                 out[start:start + count] = windows[holder][offset:offset + count]
             assert torch.equal(out, full[key]), (reader, key)
 
+
+def test_a_session_plan_groups_its_shards_into_layers_and_replicates_the_chosen_ones():
+    trainable = [Shard(10, 8, 2, "blocks.0.weight"), Shard(12, 4, 1, "out.weight"), Shard(11, 4, 1, "blocks.0.bias")]
+    frozen = [Shard(13, 4, 1, "blocks.1.weight")]
+    plan = SessionPlan(trainable=trainable, frozen=frozen, compute_dtype=torch.float32, device="cpu",
+                       norm_groups=1, timeout_s=5.0, cross_node="budget", replica_budget_gb=1.0)
+    layers, members = plan.layers()
+    assert layers == [("blocks.0", 12, 0), ("out.weight", 4, 0), ("blocks.1", 0, 4)]
+    chosen = choose_replicated_layers(layers, 1e9, nodes=2, ranks_per_node=2)
+    assert chosen == ("blocks.0", "out.weight", "blocks.1")
+    from ds_odc.runtime.cross_node_plan import CrossNodeChoice
+
+    layout = plan.layout(2, CrossNodeChoice("budget", "budget", ("blocks.0",), 0.0, ""))
+    assert isinstance(layout, BudgetLayout) and layout.replicated == {10, 11}
+    # blocks.0's two params are apart in the flat buffer (out.weight between them): two pieces, packed
+    assert layout.blocks.trainable_runs == ((0, 2), (3, 1))
+    assert type(plan.layout(2)) is not BudgetLayout and not plan.layout(2).replicated
