@@ -85,21 +85,25 @@ class ODCConfig(BaseModel):
     accumulation round (docs/normalisation.md). bf16 models on CPU ranks only for now (refused otherwise by
     name)."""
 
-    cross_node: Literal["replicate", "global", "auto"] = "replicate"
+    cross_node: Literal["replicate", "global", "budget", "auto"] = "replicate"
     """How a job on several nodes holds parameters and gradient accumulators (docs/multinode.md). "replicate"
     (default): the ranks of each node hold the whole model's parameter window and accumulator between them (per
     rank ``n_nodes`` times ZeRO-3's partitions); pulls and pushes stay in the node and nodes exchange once per
     step, the least cross-node traffic. "global": every rank holds only its own ``1/world`` of parameters and
     accumulators, ZeRO-3's memory; pulls and pushes reach owners on other nodes one-sided (about ``6P(N-1)/N``
-    bytes per micro-batch per rank, bf16), and the step needs no gradient or parameter collective. "auto":
-    "replicate" when its replicated part fits ``node_replica_budget_gb`` (or no budget is given), otherwise
-    "global", saying which and why in the log. On one node every value is the same (nothing crosses nodes).
-    Values other than "replicate" run on CPU hosts for now (refused on GPUs by name)."""
+    bytes per micro-batch per rank, bf16), and the step needs no gradient or parameter collective. "budget":
+    global, except the first whole layers (forward order) whose replicated copies fit ``node_replica_budget_gb``
+    (required), which are held and exchanged as with "replicate". "auto": "replicate" when its replicated part
+    fits ``node_replica_budget_gb`` (or no budget is given), else "budget" when some layers fit, else "global",
+    saying which and why in the log. On one node every value is the same (nothing crosses nodes). Values other
+    than "replicate" run on CPU hosts for now (refused on GPUs by name)."""
 
     node_replica_budget_gb: Optional[Annotated[float, Field(gt=0)]] = None
-    """With ``cross_node`` "auto": GiB per rank the replicated part of model states may take (node-local copies of
-    other nodes' shards and accumulators, beyond the rank's own ``1/world``). Refused with "replicate" or
-    "global", which would ignore it. Default null (auto then replicates); more than 0."""
+    """With ``cross_node`` "budget" (required) or "auto": GiB per rank the replicated part of model states may take
+    beyond global sharding's (node-local copies of other nodes' shards and accumulators of the replicated layers:
+    ``(N-1)/W · ((c + a)·p_t + c·p_f)`` bytes per layer of ``p_t`` trainable and ``p_f`` frozen parameters, ``c``
+    and ``a`` bytes per window and accumulator element). Refused with "replicate" or "global", which would ignore
+    it. Default null (auto then replicates); more than 0."""
 
     deterministic: Optional[bool] = None
     """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
@@ -157,9 +161,12 @@ class ODCConfig(BaseModel):
         if self.deterministic and "accumulator_dtype" in self.model_fields_set:
             raise ValueError(f"deterministic=true sums into its own accumulator (two fp64 regions): leave "
                              f"accumulator_dtype={self.accumulator_dtype!r} out")
-        if self.node_replica_budget_gb is not None and self.cross_node != "auto":
-            raise ValueError(f"node_replica_budget_gb applies to cross_node 'auto', not {self.cross_node!r}: leave "
-                             "the budget out, or set cross_node 'auto'")
+        if self.node_replica_budget_gb is not None and self.cross_node not in ("budget", "auto"):
+            raise ValueError(f"node_replica_budget_gb applies to cross_node 'budget' and 'auto', not "
+                             f"{self.cross_node!r}: leave the budget out, or set cross_node 'budget' or 'auto'")
+        if self.cross_node == "budget" and self.node_replica_budget_gb is None:
+            raise ValueError("cross_node 'budget' needs node_replica_budget_gb (GiB per rank for the layers kept "
+                             "node-local): set it, or choose 'auto', 'replicate' or 'global'")
         if self.timeline is not None and not self.metrics:
             raise ValueError("timeline draws the step recorder's spans, so metrics=false cannot go with it: leave "
                              "metrics out (it defaults to true) or the timeline")

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch.distributed as tdist
 
 from ds_odc.comm.cross_node import CrossNodeLink, FailureBoard, GlobalLink, TorchDistributedLink
+from ds_odc.comm.replica_link import BudgetLink
 from ds_odc.comm.topology import Topology
 from ds_odc.errors import ODCConfigError, ODCPeerError
 
@@ -48,19 +49,18 @@ class JobNodes:
     def first_rank(self) -> int:
         return self.node * self.local_world
 
-    def link(self, timeout_s: float, heartbeat, global_sharding: bool = False) -> CrossNodeLink:
+    def link(self, timeout_s: float, heartbeat, mode: str = "replicate") -> CrossNodeLink:
         """This rank's link with the other nodes: nothing to exchange on one node; on several, the
-        cross-node group's collectives, watched by the job's failure board (its own store connection).
-        ``global_sharding``: the windows are laid out one block per rank (the resolved cross_node mode, not
-        whether the job's group for remote pulls exists: "auto" makes it and may still resolve to replicate,
-        whose step must sum the nodes' accumulators)."""
+        cross-node group's collectives for the job's ``cross_node`` mode as resolved ("replicate", "global" or
+        "budget": not "auto", which resolves to one of them), watched by the job's failure board (its own store
+        connection)."""
         if self.node_count == 1:
             return CrossNodeLink()
-        if global_sharding and self.remote_group is None:
-            raise ValueError("global sharding without the job's group for pulls across nodes")
+        kinds = {"replicate": TorchDistributedLink, "global": GlobalLink, "budget": BudgetLink}
+        if mode not in kinds:
+            raise ValueError(f"no cross-node link for mode {mode!r} (one of {', '.join(kinds)})")
         board = FailureBoard(job_store(timeout_s), self.board_key, timeout_s)
-        kind = GlobalLink if global_sharding else TorchDistributedLink
-        return kind(self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
+        return kinds[mode](self.cross_group, board, timeout_s, tdist.get_rank(), heartbeat)
 
     def agree(self, error: Optional[BaseException], doing: str) -> None:
         """Every node's outcome of a step each node agreed on by itself (its windows' allocation): a

@@ -89,7 +89,9 @@ def attach(offload: DeepSpeedZeRoOffload, options: ODCConfig, timeout_s: float) 
     if len(dtypes) > 1:
         raise ODCConfigError(f"the odc stage needs one dtype for every parameter of a model without an optimizer "
                              f"(its window holds them all), found {', '.join(dtypes)}: cast the model first")
-    plan = SessionPlan(trainable=[], frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in params],
+    names = windows.param_names(offload)
+    plan = SessionPlan(trainable=[], frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel(), names.get(p.ds_id, ""))
+                                             for p in params],
                        compute_dtype=params[0].ds_tensor.dtype, device=str(params[0].ds_tensor.device),
                        norm_groups=0, timeout_s=timeout_s, transport=options.transport, shm_dir=options.shm_dir,
                        stripe_numel=options.accumulator_stripe_numel, cross_node=options.cross_node,

@@ -25,6 +25,18 @@ def partitioned_params(optimizer) -> list:
     return [] if module is None else [p for p in module.parameters() if hasattr(p, "ds_id")]
 
 
+def param_names(module_owner) -> dict:
+    """``ds_id`` -> the parameter's name in the module of ``module_owner`` (ZeRO-3's optimizer or its parameter
+    offload), for cross_node "budget", which replicates whole layers named by these (shared parameters: the
+    first name)."""
+    module = getattr(module_owner, "module", None)
+    names: dict = {}
+    for name, param in ([] if module is None else module.named_parameters()):
+        if hasattr(param, "ds_id"):
+            names.setdefault(param.ds_id, name)
+    return names
+
+
 def frozen_params(optimizer) -> list:
     return sorted((p for p in partitioned_params(optimizer) if not p.requires_grad), key=lambda p: p.ds_id)
 
@@ -41,7 +53,9 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
     """What this optimizer asks of an ODC session: its trainable shards in flat-buffer order, then the
     frozen ones, in the compute dtype, where its shards live (host memory under ``offload_param``: the
     windows are then host shared memory, and pulls copy to the device)."""
-    trainable = [Shard(p.ds_id, p.ds_numel, p.partition_numel()) for group in optimizer.fp16_groups for p in group]
+    names = param_names(optimizer)
+    trainable = [Shard(p.ds_id, p.ds_numel, p.partition_numel(), names.get(p.ds_id, ""))
+                 for group in optimizer.fp16_groups for p in group]
     frozen = frozen_params(optimizer)
     buffers = _flat_shard_buffers(optimizer)
     compute_dtype = buffers[0].dtype
@@ -50,7 +64,8 @@ def session_plan(optimizer, options: ODCConfig, timeout_s: float) -> SessionPlan
     if any(p.ds_tensor.dtype != compute_dtype for p in frozen):
         raise ODCConfigError("the odc stage needs frozen parameters in the compute dtype of the model")
     device = str(buffers[0].device)
-    return SessionPlan(trainable=trainable, frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel()) for p in frozen],
+    return SessionPlan(trainable=trainable,
+                       frozen=[Shard(p.ds_id, p.ds_numel, p.ds_tensor.numel(), names.get(p.ds_id, "")) for p in frozen],
                        compute_dtype=compute_dtype, device=device,
                        norm_groups=len(optimizer.fp16_groups), timeout_s=timeout_s, transport=options.transport,
                        shm_dir=options.shm_dir, stripe_numel=options.accumulator_stripe_numel,

@@ -17,13 +17,15 @@ import torch
 from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.remote import RemoteWindows
+from ds_odc.comm.replica_link import ReplicaBlocks
 from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCConfigError
 from ds_odc.runtime import exact_sum
 from ds_odc.runtime.cross_node_plan import CrossNodeChoice
-from ds_odc.runtime.layout import WindowLayout, owner_slices
+from ds_odc.runtime.layout import ShardSlot, WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
+from ds_odc.runtime.replica_layout import BudgetLayout
 from ds_odc.runtime.round_kinds import RoundKind
 from ds_odc.runtime.split_lockstep import SplitLockstep
 from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
@@ -44,8 +46,9 @@ class ODCRuntime:
         self.layout = layout
         self.ledger = ledger
         self.link = link or CrossNodeLink()
-        # owners on other nodes: reached through ``remote`` (cross_node "global", one block per rank), or their
-        # blocks are in this node's windows (replicate: a block per node)
+        # owners on other nodes: reached through ``remote`` (cross_node "global", one block per rank; "budget": the
+        # same, but the replicated layers' shards are in this node's replica slots), or their blocks are in this
+        # node's windows (replicate: a block per node)
         self.remote = remote
         blocks = 1 if remote is not None else self.link.node_count
         if blocks != layout.node_count:
@@ -129,8 +132,23 @@ class ODCRuntime:
         """``(owner, window offset, start, count)`` of every owner's (job rank's) shard of ``key``."""
         slot = self.layout.slots[key]
         for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-            yield owner, self.layout.param_offset(slot, self._block_of(owner // self.transport.world_size)), \
-                start, count
+            holder, offset = self._place(key, slot, owner, gradient=False)
+            yield holder, offset, start, count
+
+    def _place(self, key: int, slot: ShardSlot, owner: int, gradient: bool) -> tuple[int, int]:
+        """``(job rank, offset)`` where ``owner``'s shard of ``key`` (its gradient shard, with ``gradient``) is read
+        or added: the owner's block (its own, its node's copy under replicate, or its own across nodes under global
+        sharding), or for a replicated layer of an owner on another node (cross_node "budget") the replica slot of
+        this node's rank with the owner's local rank (:mod:`ds_odc.runtime.replica_layout`)."""
+        node, local = divmod(owner, self.transport.world_size)
+        if node != self.node and key in self.layout.replicated:
+            layout = self.layout
+            assert isinstance(layout, BudgetLayout)
+            index = ReplicaBlocks.slot_of(node, self.node)
+            offset = layout.replica_grad_offset(key, index) if gradient else layout.replica_param_offset(key, index)
+            return self.node * self.transport.world_size + local, offset
+        block = self._block_of(node)
+        return owner, self.layout.grad_offset(slot, block) if gradient else self.layout.param_offset(slot, block)
 
     def _routed(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
         """``transfers`` (owners are job ranks) split into those for this node's transport (the owner, or
@@ -172,9 +190,9 @@ class ODCRuntime:
             parts = [grad] if not self.exact else self._exact_parts(key, grad)
             pushes = []
             for owner, start, count in owner_slices(slot.numel, slot.shard_numel, self.world_size):
-                offset = self.layout.grad_offset(slot, self._block_of(owner // self.transport.world_size))
+                holder, offset = self._place(key, slot, owner, gradient=True)
                 for region, part in enumerate(parts):  # exact sums: the fine part in the second region
-                    pushes.append(Transfer(owner, offset + region * self.layout.accumulator_numel,
+                    pushes.append(Transfer(holder, offset + region * self.layout.accumulator_numel,
                                            part.narrow(0, start, count)))
             local, remote = self._routed(pushes)
             for push in local:
@@ -285,7 +303,8 @@ class ODCRuntime:
         """What is not yet tested with owners on other nodes is refused by name (the same on every rank: every
         rank has the same options), before any round."""
         if self.remote is not None:
-            raise ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node='global' on several "
+            mode = self.cross_node.mode if self.cross_node is not None else "global"
+            raise ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node={mode!r} on several "
                                  "nodes yet; use cross_node 'replicate' (the default) for it")
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ group each run on one tensor::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import AbstractSet, Dict, Iterator, Optional, Tuple
 
 from ds_odc.comm.cross_node import NodeBlocks
 
@@ -67,6 +67,10 @@ class WindowLayout:
     Trainable shards are laid out first, in the order of the optimizer's flat buffer, so that the
     trainable part of the parameter window *is* that flat buffer; frozen shards follow.
     """
+
+    #: keys whose shards of owners on other nodes this node holds besides its own block (cross_node "budget":
+    #: :class:`~ds_odc.runtime.replica_layout.BudgetLayout`); none here
+    replicated: AbstractSet[int] = frozenset()
 
     def __init__(self, node_count: int = 1) -> None:
         self.node_count = node_count

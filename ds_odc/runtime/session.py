@@ -15,7 +15,6 @@ After this, nothing ODC does is collective outside its rounds.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -27,9 +26,10 @@ from ds_odc.comm.nodes import JobNodes, job_nodes
 from ds_odc.comm.remote import RemoteWindows
 from ds_odc.errors import ODCConfigError
 from ds_odc.runtime.core import ODCRuntime
-from ds_odc.runtime.cross_node_plan import CrossNodeChoice, ModelStates, resolve_cross_node
+from ds_odc.runtime.cross_node_plan import CrossNodeChoice, Layer, resolve_cross_node
 from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.ledger import MicroBatchLedger
+from ds_odc.runtime.replica_layout import BudgetLayout, group_layers
 from ds_odc.runtime.round_kinds import PROTOCOL_WORDING
 
 
@@ -40,6 +40,8 @@ class Shard:
     key: int
     numel: int
     shard_numel: int
+    #: the parameter's name in the module (cross_node "budget" groups parameters into layers by it); may be empty
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,19 +62,31 @@ class SessionPlan:
     #: deterministic accumulation: two fp64 regions per accumulator ([Note: exact sums]); accumulator_dtype ignored
     exact: bool = False
     ledger: MicroBatchLedger = field(default_factory=MicroBatchLedger)
-    #: zero_optimization.odc.cross_node ("replicate", "global", "auto") and node_replica_budget_gb
+    #: zero_optimization.odc.cross_node ("replicate", "global", "budget", "auto") and node_replica_budget_gb
     cross_node: str = "replicate"
     replica_budget_gb: Optional[float] = None
     #: ZeRO offloads in use ("offload_param", "offload_optimizer"): not yet tested with owners on other nodes
     offloads: tuple = ()
 
-    def layout(self, node_count: int) -> WindowLayout:
-        layout = WindowLayout(node_count)
+    def layout(self, node_count: int, choice: Optional[CrossNodeChoice] = None) -> WindowLayout:
+        """The window layout: ``node_count`` blocks (replicate), or for a ``choice`` of "budget" global sharding's
+        own block plus replica slots for the chosen layers' parameters."""
+        budget = choice is not None and choice.mode == "budget"
+        layout = BudgetLayout(node_count) if budget else WindowLayout(node_count)
         for shard in self.trainable:
             layout.add_trainable(shard.key, shard.numel, shard.shard_numel)
         for shard in self.frozen:
             layout.add_frozen(shard.key, shard.numel, shard.shard_numel)
+        if isinstance(layout, BudgetLayout) and choice is not None:
+            _, members = self.layers()
+            layout.replicate({key for name in choice.replicated_layers for key in members[name]})
         return layout
+
+    def layers(self) -> tuple[list[Layer], dict[str, tuple[int, ...]]]:
+        """The model's layers in forward order, as the planner takes them, and each layer's keys
+        (:func:`~ds_odc.runtime.replica_layout.group_layers`)."""
+        return group_layers([(s.key, s.name, s.numel, True) for s in self.trainable]
+                            + [(s.key, s.name, s.numel, False) for s in self.frozen])
 
 
 def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None,
@@ -85,12 +99,13 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
                              "item of the GPU kit (docs/gpu.md); use 'replicate' (the default)")
     nodes = nodes or job_nodes(plan.timeout_s, global_sharding=plan.cross_node != "replicate")
     choice = cross_node_choice(plan, nodes) if nodes.node_count > 1 else None
-    spread = choice is not None and choice.mode == "global"  # one block per rank; owners on other nodes remote
+    mode = "replicate" if choice is None else choice.mode
+    spread = mode != "replicate"  # one own block per rank; owners on other nodes remote (budget: but replicas)
     if spread and plan.offloads:
         raise ODCConfigError(f"zero_optimization.{' and '.join(plan.offloads)} is not supported with "
-                             "zero_optimization.odc.cross_node='global' on several nodes yet (not tested with owners "
+                             f"zero_optimization.odc.cross_node={mode!r} on several nodes yet (not tested with owners "
                              "on other nodes); use cross_node 'replicate' (the default) for it")
-    layout = plan.layout(1 if spread else nodes.node_count)
+    layout = plan.layout(1 if mode == "global" else nodes.node_count, choice)
     transport = create_transport(plan.transport, rank=nodes.local_rank, world_size=nodes.local_world,
                                  timeout_s=plan.timeout_s, device=plan.device, shm_dir=plan.shm_dir,
                                  stripe_numel=plan.stripe_numel, group=nodes.node_group,
@@ -106,7 +121,7 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
     remote = None
     try:
         nodes.agree(failure, "allocating its ODC windows")
-        link = nodes.link(plan.timeout_s, transport.heartbeat, global_sharding=spread)
+        link = nodes.link(plan.timeout_s, transport.heartbeat, mode)
         if spread:
             assert nodes.remote_group is not None
             remote = RemoteWindows(nodes.remote_group, tdist.get_rank(), nodes.topology.world_size, plan.timeout_s,
@@ -124,29 +139,12 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
 
 def cross_node_choice(plan: SessionPlan, nodes: JobNodes) -> CrossNodeChoice:
     """How a job on several nodes holds its windows (``cross_node``; the same on every rank: pure arithmetic
-    on the plan). "auto" replicates while the replicated part fits ``node_replica_budget_gb`` and is global
-    otherwise: whole-layer replicas beside global shards (the planner's "budget") are not built yet, so
-    where only some layers would fit, the job is global and the reason says so."""
-    if plan.cross_node == "global" and nodes.remote_group is None:
-        raise ODCConfigError("cross_node 'global' without the job's group for pulls across nodes")
-    trainable = sum(s.numel for s in plan.trainable)
-    frozen = sum(s.numel for s in plan.frozen)
+    on the plan's shapes and names): the planner (:func:`~ds_odc.runtime.cross_node_plan.resolve_cross_node`)
+    over the model's layers (:meth:`SessionPlan.layers`), with the accumulator's bytes per element (16 under
+    exact sums: two fp64 regions)."""
+    if plan.cross_node != "replicate" and nodes.remote_group is None:
+        raise ODCConfigError(f"cross_node {plan.cross_node!r} without the job's group for pulls across nodes")
     accumulator = 16 if plan.exact else plan.accumulator_dtype.itemsize
-    choice = resolve_cross_node(plan.cross_node, plan.replica_budget_gb, [("model", trainable, frozen)],
-                                nodes.node_count, nodes.local_world, plan.compute_dtype.itemsize, accumulator)
-    if plan.cross_node == "auto" and choice.mode != "replicate":  # one unit: all or nothing
-        states = ModelStates(trainable + frozen, trainable, nodes.local_world, nodes.node_count,
-                             plan.compute_dtype.itemsize, accumulator)
-        full, shared = states.replicate().total, states.global_sharded().total
-        choice = dataclasses.replace(choice, mode="global", replicated_layers=(), bytes_per_rank=shared, reason=(
-            f"auto: replicate would hold {_size(full)} of model states per rank, {_size(full - shared)} beyond "
-            f"global's {_size(shared)}, over node_replica_budget_gb={plan.replica_budget_gb:g}: global"))
-    return choice
-
-
-def _size(count: float) -> str:
-    """Bytes in the largest unit that keeps them above 1 (the log speaks of 70B models and of test models)."""
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count:.0f} B"
+    layers, _ = plan.layers()
+    return resolve_cross_node(plan.cross_node, plan.replica_budget_gb, layers, nodes.node_count, nodes.local_world,
+                              plan.compute_dtype.itemsize, accumulator)

@@ -22,7 +22,9 @@ FP32_ARRIVAL_ORDER_TOL = 4e-6
 CASES = ("global_adam_gas3", "global_bf16_adam_gas1", "global_uneven_unmanaged", "global_uneven_managed",
          "global_uneven_token", "global_collectives", "global_traffic", "global_memory", "global_refusals",
          "global_frozen", "global_bitwise", "global_delayed", "global_auto", "auto_replicate_uneven",
-         "auto_global_uneven")
+         "auto_global_uneven",
+         # cross_node "budget": whole layers replicated per node, the rest global (tests at the end of this file)
+         "budget_adam_gas3", "budget_uneven_unmanaged", "budget_collectives", "budget_shape")
 
 _ok, _reason = available()
 pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (network/mount/UTS namespaces): {_reason}")
@@ -62,13 +64,15 @@ def test_global_sharding_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases):
 
 
 def test_global_sharding_bf16_within_zero3_bf16_self_difference(cases):
-    odc, zero3, zero3_fp32, odc_bf16 = cases["global_bf16_adam_gas1"][0]
+    odc, zero3, zero3_fp32, odc_bf16, budget_bf16 = cases["global_bf16_adam_gas1"][0]
+    assert budget_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")
     assert odc_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")  # ZeRO-3's gradient dtype
     for step in range(len(odc["params"])):
         zero3_self = worst_rel_diff(zero3["params"][step], zero3_fp32["params"][step])
         assert zero3_self > 0
         assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(odc_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
+        assert worst_rel_diff(budget_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
 
 
 @pytest.mark.parametrize("case", ("global_uneven_unmanaged", "global_uneven_managed", "global_uneven_token"))
@@ -103,14 +107,15 @@ def test_no_pull_sees_an_owner_mid_update_and_no_update_precedes_a_push_sent_to_
         assert worst_rel_diff(result["params"], expected) <= FP32_TOL, rank
 
 
-def test_global_and_replicate_give_the_same_bits_under_deterministic_sums(cases):
-    """odc.deterministic sums in an order-free way, so the two layouts, whose pushes arrive in different orders
-    and are summed in different places (a node's accumulator then a reduce-scatter, or the owner's directly),
-    must produce the same parameters bit for bit, uneven counts included."""
+def test_global_budget_and_replicate_give_the_same_bits_under_deterministic_sums(cases):
+    """odc.deterministic sums in an order-free way, so the three layouts, whose pushes arrive in different orders
+    and are summed in different places (a node's accumulator then a reduce-scatter, or the owner's directly, or
+    per layer one or the other), must produce the same parameters bit for bit, uneven counts included."""
     for rank, result in enumerate(cases["global_bitwise"]):
-        replicate, spread = result["replicate"], result["global"]
-        assert set(replicate) == set(spread)
-        assert all(torch.equal(replicate[name], spread[name]) for name in replicate), rank
+        replicate = result["replicate"]
+        for other in (result["global"], result["budget"]):
+            assert set(replicate) == set(other)
+            assert all(torch.equal(replicate[name], other[name]) for name in replicate), rank
 
 
 def test_global_sharding_runs_no_collective_in_forward_or_backward(cases):
@@ -162,12 +167,16 @@ def test_frozen_engine_with_global_sharding_pulls_across_nodes_as_zero3_gathers(
             assert torch.equal(a, b), rank
 
 
-def test_auto_replicates_within_the_budget_and_shards_globally_beyond_it_saying_why(cases):
+def test_auto_replicates_within_the_budget_keeps_the_layers_that_fit_and_else_shards_globally_saying_why(cases):
     for rank, result in enumerate(cases["global_auto"]):
         assert result["no_budget"][0] == "replicate" and not result["no_budget"][2], (rank, result)
         assert result["large"][0] == "replicate" and not result["large"][2], (rank, result)
+        mode, reason, remote = result["some"]
+        assert mode == "budget" and remote and "layers replicated" in reason, (rank, reason)
         mode, reason, remote = result["small"]
         assert mode == "global" and remote and "budget" in reason and "global" in reason, (rank, reason)
+        for name in ("no_budget", "some", "large"):  # each layout trains the same step as global sharding
+            assert worst_rel_diff(result[f"{name}_params"], result["small_params"]) <= FP32_ARRIVAL_ORDER_TOL, name
 
 
 def test_a_checkpoint_saved_under_global_sharding_loads_back_and_training_continues(cases):
@@ -271,3 +280,82 @@ def test_a_cut_network_between_nodes_fails_every_rank_within_the_bound(hosts, tm
         assert any(f"rank {o}" in report["message"] for o in other) or "store" in report["message"], (r, report)
         assert report["waited_s"] < 40, (r, report)
         assert report["shm"] == [], (r, report)
+
+
+# -- cross_node "budget" ------------------------------------------------------------------------------------------
+def test_budget_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases):
+    """Some layers replicated per node, the rest global (fp64 accumulators: inp and blocks.0; fp32: every unit
+    but out.weight, the frozen layer included): losses, full gradients and parameters of every step against
+    ZeRO-3 on the same 4 ranks, within the bars of the global parity test."""
+    exact, default, zero3 = cases["budget_adam_gas3"][0]
+    assert exact["engine"] == default["engine"] == "ODCEngine" and zero3["engine"] == "DeepSpeedEngine"
+    for rank_exact, rank_default, rank_zero3 in cases["budget_adam_gas3"]:
+        for odc in (rank_exact, rank_default):
+            for a, b in zip(odc["losses"], rank_zero3["losses"], strict=True):
+                assert abs(a - b) <= FP32_TOL * max(abs(b), 1e-12), (a, b)
+    for step in range(len(zero3["params"])):
+        for run, grad_tol in ((exact, FP32_TOL), (default, FP32_ARRIVAL_ORDER_TOL)):
+            assert worst_rel_diff(run["grads"][step], zero3["grads"][step]) <= grad_tol, step
+            assert worst_rel_diff(run["params"][step], zero3["params"][step]) <= FP32_TOL, step
+    assert max_rel_diff(exact["params"][-1]["out.weight"], exact["params"][0]["out.weight"]) > 1e-4  # it trained
+
+
+def test_budget_with_uneven_counts_across_nodes_equals_single_process(cases):
+    """Ranks run (1, 3, 0, 2) micro-batches: one process's training."""
+    expected = reference_training("unmanaged", UNEVEN["uneven_unmanaged"])
+    for rank, result in enumerate(cases["budget_uneven_unmanaged"]):
+        assert worst_rel_diff(result["params"], expected) <= FP32_TOL, rank
+        assert result["phase"] == "idle"
+
+
+def test_budget_replicates_the_leading_layers_that_fit_frozen_ones_included_and_says_why(cases):
+    for rank, result in enumerate(cases["budget_shape"]):
+        assert result["mode"] == "budget", (rank, result["reason"])
+        assert result["replicated_layers"] == ("inp.weight", "inp.bias", "blocks.0", "blocks.1", "frozen.weight",
+                                               "frozen.bias"), result
+        assert "frozen.weight" in result["replicated_params"] and "out.weight" not in result["replicated_params"]
+        assert "6 of 7 layers replicated" in result["reason"], result["reason"]
+
+
+def test_budget_bytes_across_nodes_are_exactly_the_non_replicated_remote_shards(cases):
+    """The remote transport's byte counters in one micro-batch: what the layout says the other node's owners hold
+    of each non-replicated parameter pulled and pushed, nothing for the replicated ones (read in the node)."""
+    for rank, result in enumerate(cases["budget_shape"]):
+        assert result["pulled_replicated"] > 0 and result["pulled_global"] > 0, result
+        assert result["bytes_read"] == result["expected_read"] > 0, (rank, result)
+        assert result["bytes_pushed"] == result["expected_pushed"] > 0, (rank, result)
+
+
+def test_budget_windows_hold_the_own_block_plus_one_replica_slot_per_other_node(cases):
+    """From what every rank allocated (fp32 window and accumulator): ZeRO-3's partitions of every parameter, plus
+    (N-1) copies of the replicated parameters' partitions; so (N-1)/W · ((c + a)·p_t + c·p_f) bytes beyond global
+    sharding for the replicated layers, the planner's formula, with ZeRO-3's padding."""
+    for result in cases["budget_shape"]:
+        world, nodes = result["world"], 2
+        shard = lambda numel, world=world: -(-numel // world)  # noqa: E731 - ZeRO-3's padded partition
+        params, replicated = result["params"], set(result["replicated_params"])
+        own = sum(shard(numel) for numel, _ in params.values())
+        own_trainable = sum(shard(numel) for numel, trainable in params.values() if trainable)
+        copies = sum(shard(params[name][0]) for name in replicated)
+        copies_trainable = sum(shard(params[name][0]) for name in replicated if params[name][1])
+        assert 0 < copies < own
+        assert result["window_bytes"] == 4 * (own + (nodes - 1) * copies), result
+        assert result["accumulator_bytes"] == 4 * (own_trainable + (nodes - 1) * copies_trainable), result
+
+
+def test_budget_runs_no_collective_in_forward_or_backward(cases):
+    """Forward and backward: no collective (pulls and pushes across nodes are point-to-point messages); the step
+    keeps four collectives on the cross-node group: the counts, the replicated layers' reduce-scatter (standing
+    for the gradient fence's barrier), the norm, their all-gather (standing for the publish barrier)."""
+    for rank, run in enumerate(cases["budget_collectives"]):
+        assert run["fwd_bwd"][1:] == [0, 0], (rank, run)
+        assert run["step"] == [4, 4, 4], (rank, run)
+        assert all(messages > 0 for messages in run["messages"]), (rank, run)
+
+
+def test_what_budget_does_not_support_yet_is_refused_by_name(cases):
+    for rank, result in enumerate(cases["budget_shape"]):
+        error, message = result["offload_states"]
+        assert error == "ODCConfigError" and "cross_node='budget'" in message, (rank, message)
+        error, message = result["offload_param"]
+        assert error == "ODCConfigError" and "offload_param" in message and "cross_node='budget'" in message, message

@@ -301,11 +301,11 @@ def cut(out_dir: str, timeout_s: float = 5.0) -> None:
 
 
 def auto() -> dict:
-    """cross_node "auto" without a budget, with one too small for the replicated part, and with a large one: what
-    each resolved to (mode, the logged reason, whether owners on the other node are reached remotely), after a
-    step that trains."""
+    """cross_node "auto" without a budget, with one too small for any layer, one that some layers fit (400 bytes:
+    budget_workloads.BUDGET_BYTES) and a large one: what each resolved to (mode, the logged reason, whether owners
+    on the other node are reached remotely) and the parameters after a step that trains."""
     outcome = {}
-    for name, budget in (("no_budget", None), ("small", 1e-9), ("large", 1000.0)):
+    for name, budget in (("no_budget", None), ("small", 1e-9), ("some", 400 / 2 ** 30), ("large", 1000.0)):
         options = {"cross_node": "auto", **({"node_replica_budget_gb": budget} if budget else {})}
         engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=options))
         x, y, _ = micro_batch(0, tdist.get_rank(), 0)
@@ -313,5 +313,6 @@ def auto() -> dict:
         engine.step()
         runtime = _runtime(engine)
         outcome[name] = (runtime.cross_node.mode, runtime.cross_node.reason, runtime.remote is not None)
+        outcome[f"{name}_params"] = full_params(engine)  # the same step whatever the layout
         engine.destroy()
     return outcome

@@ -127,9 +127,12 @@ GLOBAL = {"cross_node": "global"}
 CASES.update({
     "global_adam_gas3": ("train_pair", lambda: ([("odc", {"odc": {**GLOBAL, "accumulator_dtype": "fp64"}}),
                                                  ("odc", {"odc": GLOBAL}), (3, {})], STEPS, 3)),
+    # ... and budget with bf16 accumulators (the replicated layers summed over nodes in bf16, list form)
     "global_bf16_adam_gas1": ("train_pair", lambda: ([("odc", {"bf16": True, "odc": GLOBAL}), (3, {"bf16": True}),
                                                       (3, {}), ("odc", {"bf16": True, "odc": {
-                                                          **GLOBAL, **BF16_ACCUMULATORS}})], STEPS, 1)),
+                                                          **GLOBAL, **BF16_ACCUMULATORS}}),
+                                                      ("odc", {"bf16": True, "odc": {
+                                                          **BUDGET, **BF16_ACCUMULATORS}})], STEPS, 1)),
     "global_uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
                                                          None, GLOBAL)),
     "global_uneven_managed": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"], 3, (), 2, None,
@@ -141,6 +144,14 @@ CASES.update({
                                                        None, {"cross_node": "auto"})),
     "auto_global_uneven": ("train_uneven", lambda: ("odc", "managed", UNEVEN["uneven_managed"], 3, (), 2, None,
                                                     {"cross_node": "auto", "node_replica_budget_gb": 1e-9})),
+})
+# cross_node "budget" (test_two_hosts_global.py): some whole layers replicated per node, the rest global
+BUDGET = {"cross_node": "budget", "node_replica_budget_gb": 400 / 2 ** 30}  # budget_workloads.BUDGET
+CASES.update({
+    "budget_adam_gas3": ("train_pair", lambda: ([("odc", {"odc": {**BUDGET, "accumulator_dtype": "fp64"}}),
+                                                 ("odc", {"odc": BUDGET}), (3, {})], STEPS, 3)),
+    "budget_uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
+                                                         None, BUDGET)),
 })
 #: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
 UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
@@ -157,6 +168,7 @@ def cases(names, out_dir):
     import torch.distributed as tdist
 
     from tests.support import (
+        budget_workloads,
         checkpoint_workloads,
         deterministic_workloads,
         global_workloads,
@@ -166,7 +178,7 @@ def cases(names, out_dir):
     )
 
     torch.set_num_threads(1)
-    counting = bool({"collectives", "global_collectives"} & set(names.split(",")))
+    counting = bool({"collectives", "global_collectives", "budget_collectives"} & set(names.split(",")))
     if counting:
         sync_workloads.install_collective_counter()  # before the process group, as the single-node test does
     deepspeed.init_distributed(dist_backend="gloo")
@@ -193,12 +205,17 @@ def cases(names, out_dir):
         elif name == "global_collectives":
             result = [sync_workloads.count_collectives("odc", layers, micro, odc=GLOBAL)
                       for layers, micro in ((1, 1), (2, 1), (1, 2))]
+        elif name == "budget_collectives":
+            result = sync_workloads.count_collectives("odc", 2, 2, odc=BUDGET)
+        elif name == "budget_shape":
+            result = budget_workloads.shape()
         elif name == "global_frozen":
             # ZeRO-3's frozen engine gathers in lockstep: every rank runs the most forwards there
             result = {"odc": global_workloads.frozen(FROZEN_COUNTS, "odc"),
                       3: global_workloads.frozen((max(FROZEN_COUNTS),) * 4, 3)}
         elif name == "global_bitwise":
-            result = global_workloads.bitwise(UNEVEN["uneven_unmanaged"])
+            result = {**global_workloads.bitwise(UNEVEN["uneven_unmanaged"]),
+                      "budget": budget_workloads.bits(UNEVEN["uneven_unmanaged"])}
         elif name.startswith("global_kill_"):
             global_workloads.killed(out_dir, 3, name[len("global_kill_"):])  # ends the process
         elif name in ("global_stalled", "global_cut"):

@@ -87,9 +87,9 @@ def test_cross_node_defaults_to_replicate_without_a_budget():
 @pytest.mark.parametrize("options", [
     {"cross_node": "replicate"}, {"cross_node": "global"}, {"cross_node": "auto"},
     {"cross_node": "auto", "node_replica_budget_gb": 8.0}, {"cross_node": "auto", "node_replica_budget_gb": 2},
-    {"cross_node": "auto", "node_replica_budget_gb": 0.5},
+    {"cross_node": "auto", "node_replica_budget_gb": 0.5}, {"cross_node": "budget", "node_replica_budget_gb": 8},
 ])
-def test_cross_node_accepts_each_mode_and_a_budget_with_auto(options):
+def test_cross_node_accepts_each_mode_and_a_budget_with_auto_or_budget(options):
     parsed = parse_options(options)
     assert parsed.cross_node == options["cross_node"]
     assert parsed.node_replica_budget_gb == options.get("node_replica_budget_gb")
@@ -103,9 +103,14 @@ def test_a_budget_with_replicate_or_global_is_refused_naming_both_fields(mode):
     with pytest.raises(ODCConfigError) as refused:
         parse_options({"cross_node": mode, "node_replica_budget_gb": 8})
     message = str(refused.value)
-    assert "node_replica_budget_gb" in message and f"cross_node 'auto', not {mode!r}" in message, message
+    assert "node_replica_budget_gb" in message and f"cross_node 'budget' and 'auto', not {mode!r}" in message, message
     with pytest.raises(ODCConfigError, match="node_replica_budget_gb"):  # the default mode too
         parse_options({"node_replica_budget_gb": 8})
+
+
+def test_budget_without_its_budget_is_refused_naming_the_field():
+    with pytest.raises(ODCConfigError, match="cross_node 'budget' needs node_replica_budget_gb"):
+        parse_options({"cross_node": "budget"})
 
 
 @pytest.mark.parametrize("options, field", [
@@ -114,7 +119,6 @@ def test_a_budget_with_replicate_or_global_is_refused_naming_both_fields(mode):
     ({"cross_node": None}, "cross_node"),
     ({"cross_node": "auto", "node_replica_budget_gb": 0}, "node_replica_budget_gb"),
     ({"cross_node": "auto", "node_replica_budget_gb": -1.0}, "node_replica_budget_gb"),
-    ({"cross_node": "budget", "node_replica_budget_gb": 8}, "cross_node"),  # layer replicas: not built yet
     ({"cross_node": "auto", "node_replica_budget_gb": "8"}, "node_replica_budget_gb"),
     ({"cross_node": "auto", "node_replica_budget_gb": True}, "node_replica_budget_gb"),
 ])
