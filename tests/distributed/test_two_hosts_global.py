@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (netwo
 @pytest.fixture(scope="module")
 def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
     out_dir = tmp_path_factory.mktemp("global_cases")
-    names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",)
+    names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",
+                     f"budget_ckpt:{tmp_path_factory.mktemp('budget_ckpt')}")
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
               "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(names),
@@ -158,11 +159,14 @@ def test_global_sharding_holds_one_world_share_per_rank_as_zero3_does(cases):
         assert bf16 == zero3, result
 
 
-def test_frozen_engine_with_global_sharding_pulls_across_nodes_as_zero3_gathers(cases):
-    """A frozen engine (no optimizer), ranks running 2, 0, 1 and 3 forwards: ZeRO-3's outputs."""
+@pytest.mark.parametrize("mode", ("odc", "budget"))
+def test_frozen_engine_with_global_sharding_pulls_across_nodes_as_zero3_gathers(cases, mode):
+    """A frozen engine (no optimizer), ranks running 2, 0, 1 and 3 forwards: ZeRO-3's outputs, under global
+    sharding ("odc") and under budget (frozen layers replicated per node, the rest global)."""
     for rank, result in enumerate(cases["global_frozen"]):
-        odc, zero3 = result["odc"], result[3]
+        odc, zero3 = result[mode], result[3]
         assert odc["engine"] == "ODCEngine" and len(odc["outputs"]) == (2, 0, 1, 3)[rank]
+        assert odc["mode"][0] == ("global" if mode == "odc" else "budget") and (mode == "odc" or odc["mode"][1] > 0)
         for a, b in zip(odc["outputs"], zero3["outputs"]):  # the same inputs, in the same order
             assert torch.equal(a, b), rank
 
@@ -179,13 +183,14 @@ def test_auto_replicates_within_the_budget_keeps_the_layers_that_fit_and_else_sh
             assert worst_rel_diff(result[f"{name}_params"], result["small_params"]) <= FP32_ARRIVAL_ORDER_TOL, name
 
 
-def test_a_checkpoint_saved_under_global_sharding_loads_back_and_training_continues(cases):
-    """Saved after 3 steps on 2x2 ranks with global sharding, loaded into a fresh engine with other initial
-    weights: the parameters at the save exactly, and the next 2 steps' losses and final parameters as the run that
-    never stopped (the files are ZeRO-3's for 4 ranks, whatever the cross_node mode)."""
+@pytest.mark.parametrize("case", ("global_ckpt", "budget_ckpt"))
+def test_a_checkpoint_saved_under_global_sharding_loads_back_and_training_continues(cases, case):
+    """Saved after 3 steps on 2x2 ranks with global sharding (or budget), loaded into a fresh engine with other
+    initial weights: the parameters at the save exactly, and the next 2 steps' losses and final parameters as the
+    run that never stopped (the files are ZeRO-3's for 4 ranks, whatever the cross_node mode)."""
     from tests.support.checkpoint_workloads import RESHARD_TOLERANCE, merged_losses
 
-    saved, loaded = [r["saved"] for r in cases["global_ckpt"]], [r["loaded"] for r in cases["global_ckpt"]]
+    saved, loaded = [r["saved"] for r in cases[case]], [r["loaded"] for r in cases[case]]
     assert loaded[0]["engine"] == "ODCEngine"
     assert worst_rel_diff(loaded[0]["loaded"], saved[0]["saved"]) == 0.0
     assert loaded[0]["loaded_adam_step"] == 3.0 and loaded[0]["global_steps"] == 5

@@ -137,20 +137,24 @@ def refusals() -> dict:
     return result
 
 
-def frozen(counts, stage) -> dict:
-    """A frozen engine (no optimizer), ``counts[rank]`` forwards of the same inputs on each rank."""
+def frozen(counts, stage, options=None) -> dict:
+    """A frozen engine (no optimizer), ``counts[rank]`` forwards of the same inputs on each rank; on the odc stage
+    with ``options`` (default: global sharding)."""
     from tests.support.frozen_workloads import frozen_config
 
     rank = tdist.get_rank()
-    config = frozen_config(stage, **GLOBAL) if stage == "odc" else frozen_config(stage)
+    config = frozen_config(stage, **(options or GLOBAL)) if stage == "odc" else frozen_config(stage)
     engine, *_ = deepspeed.initialize(model=make_model(), config=config)
     outputs = []
     with torch.no_grad():
         for index in range(counts[rank]):
             x, _, _ = micro_batch(0, 0, index)
             outputs.append(engine(x).clone())
+    runtime = _runtime(engine) if stage == "odc" else None
+    choice = None if runtime is None else runtime.cross_node
     engine.destroy()
-    return {"outputs": outputs, "engine": type(engine).__name__}
+    return {"outputs": outputs, "engine": type(engine).__name__,
+            "mode": None if choice is None else (choice.mode, len(choice.replicated_layers))}
 
 
 def bitwise(counts, steps=3) -> dict:

@@ -147,6 +147,8 @@ CASES.update({
 })
 # cross_node "budget" (test_two_hosts_global.py): some whole layers replicated per node, the rest global
 BUDGET = {"cross_node": "budget", "node_replica_budget_gb": 400 / 2 ** 30}  # budget_workloads.BUDGET
+# a frozen engine's layers cost only their window copies (p_f bytes each here): 100 bytes hold inp and blocks.0
+FROZEN_BUDGET = {"cross_node": "budget", "node_replica_budget_gb": 100 / 2 ** 30}
 CASES.update({
     "budget_adam_gas3": ("train_pair", lambda: ([("odc", {"odc": {**BUDGET, "accumulator_dtype": "fp64"}}),
                                                  ("odc", {"odc": BUDGET}), (3, {})], STEPS, 3)),
@@ -212,6 +214,7 @@ def cases(names, out_dir):
         elif name == "global_frozen":
             # ZeRO-3's frozen engine gathers in lockstep: every rank runs the most forwards there
             result = {"odc": global_workloads.frozen(FROZEN_COUNTS, "odc"),
+                      "budget": global_workloads.frozen(FROZEN_COUNTS, "odc", FROZEN_BUDGET),
                       3: global_workloads.frozen((max(FROZEN_COUNTS),) * 4, 3)}
         elif name == "global_bitwise":
             result = {**global_workloads.bitwise(UNEVEN["uneven_unmanaged"]),
@@ -220,11 +223,12 @@ def cases(names, out_dir):
             global_workloads.killed(out_dir, 3, name[len("global_kill_"):])  # ends the process
         elif name in ("global_stalled", "global_cut"):
             getattr(global_workloads, name[len("global_"):])(out_dir)  # ends the process
-        elif name.startswith("global_ckpt:"):  # saved and loaded back under global sharding, in the same job
+        elif name.startswith(("global_ckpt:", "budget_ckpt:")):  # saved and loaded back, in the same job
             ckpt_dir = name.split(":", 1)[1]
-            result = {"saved": checkpoint_workloads.train_and_save(ckpt_dir, odc=GLOBAL),
+            options = GLOBAL if name.startswith("global") else BUDGET
+            result = {"saved": checkpoint_workloads.train_and_save(ckpt_dir, odc=options),
                       "loaded": checkpoint_workloads.load_and_continue(ckpt_dir, "saved", universal=False,
-                                                                       odc=GLOBAL)}
+                                                                       odc=options)}
         elif name == "global_delayed":
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
         elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto"):
