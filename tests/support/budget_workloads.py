@@ -6,7 +6,7 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
-from tests.support.global_workloads import _runtime, remote_elements
+from tests.support.global_workloads import _runtime, record_calls, remote_elements
 from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
 #: 400 bytes per rank beyond global sharding: on the default test model (hidden 7, 2 blocks) with fp32 windows
@@ -24,18 +24,7 @@ def shape() -> dict:
     cfg = ds_config("odc", stage3_param_persistence_threshold=0, odc=BUDGET)
     engine, *_ = deepspeed.initialize(model=make_model(layers=2), config=cfg)
     runtime = _runtime(engine)
-    pulled, pushed = [], []
-    pull_many, push = runtime.pull_many, runtime.push
-
-    def recording_pull_many(keys, outs):
-        pulled.extend(keys)
-        return pull_many(keys, outs)
-
-    def recording_push(key, grad):
-        pushed.append(key)
-        return push(key, grad)
-
-    runtime.pull_many, runtime.push = recording_pull_many, recording_push
+    pulled, pushed = record_calls(runtime)
     rank = tdist.get_rank()
     remote = runtime.remote
     for step in range(2):

@@ -29,14 +29,10 @@ def remote_elements(runtime, key: int) -> int:
                if owner // local_world != runtime.node)
 
 
-def traffic() -> dict:
-    """One micro-batch and step with every parameter pulled on demand (persistence threshold 0), after a first
-    one (the open round): the bytes this rank read from and pushed to other nodes, against what the layout says
-    they must be for the parameters it pulled and pushed (recorded by wrapping the runtime's own calls)."""
-    cfg = ds_config("odc", stage3_param_persistence_threshold=0, odc=GLOBAL)
-    engine, *_ = deepspeed.initialize(model=make_model(layers=2), config=cfg)
-    runtime = _runtime(engine)
-    pulled, pushed = [], []
+def record_calls(runtime) -> tuple[list, list]:
+    """Wrap the runtime's own pull and push: the keys pulled and pushed from now on, in two lists it fills."""
+    pulled: list = []
+    pushed: list = []
     pull_many, push = runtime.pull_many, runtime.push
 
     def recording_pull_many(keys, outs):
@@ -48,6 +44,17 @@ def traffic() -> dict:
         return push(key, grad)
 
     runtime.pull_many, runtime.push = recording_pull_many, recording_push
+    return pulled, pushed
+
+
+def traffic() -> dict:
+    """One micro-batch and step with every parameter pulled on demand (persistence threshold 0), after a first
+    one (the open round): the bytes this rank read from and pushed to other nodes, against what the layout says
+    they must be for the parameters it pulled and pushed (recorded by wrapping the runtime's own calls)."""
+    cfg = ds_config("odc", stage3_param_persistence_threshold=0, odc=GLOBAL)
+    engine, *_ = deepspeed.initialize(model=make_model(layers=2), config=cfg)
+    runtime = _runtime(engine)
+    pulled, pushed = record_calls(runtime)
     rank = tdist.get_rank()
     for step in range(2):
         if step == 1:
