@@ -59,7 +59,13 @@ AXES: Dict[str, Tuple[Tuple, Tuple[float, ...]]] = {
     "offload_include": (("all", "windows", "own"), (1, 1, 1)),
     "checkpoint": ((False, True), (4, 1)),  # save_checkpoint, a fresh engine (other weights) loads it, trains on
     "generate": ((False, True), (4, 1)),  # model.generate() between steps, each rank its own number of tokens
+    # the policy engine's odc.accumulator_dtype; "bf16" only with a bf16 model (:func:`_accumulator`): under an
+    # fp32 one it is refused at initialize, which tests/distributed/test_config_errors.py checks
+    "accumulator": (("fp32", "fp64", "bf16"), (2, 1, 3)),
 }
+#: Axes added after the fixed seeds were chosen, each drawn from a stream of its own (the seed plus the offset):
+#: the seed's own stream is drawn as before, so every earlier job keeps its other values and its layout.
+OWN_STREAM_AXES: Dict[str, int] = {"accumulator": 1 << 40}
 OFFLOAD_INCLUDE = {"all": None, "windows": ("lp_params", "lp_grads"),
                    "own": ("hp_params", "optim_states", "contiguous_grad_buffer")}
 #: new tokens each rank generates (ranks stop at different tokens: no lockstep on the odc stage)
@@ -118,15 +124,13 @@ class Job:
     offload_include: str
     checkpoint: bool
     generate: bool
+    accumulator: str
     layout: Tuple[StepLayout, ...] = field(repr=False)
     #: the step before whose micro-batches each call happens (None: not in this job)
     offload_at: Optional[int] = None
     checkpoint_at: Optional[int] = None
     generate_at: Optional[int] = None
     world: int = WORLD
-    #: the policy engine's odc.accumulator_dtype: not an axis (no seed draws it), set by tests that rerun drawn
-    #: jobs with bf16 accumulators (test_combinations.py)
-    accumulator: str = "fp32"
 
     @classmethod
     def from_seed(cls, seed: int) -> "Job":
@@ -174,10 +178,17 @@ class Job:
         step (its per-layer collectives), none of the odc stage's own features (loss_tokens, the split policy), and,
         under the mean rule, that count equal to gradient_accumulation_steps (ZeRO-3 divides by it, not by the count
         run). Activation offload is left out of ZeRO-3's config (it changes no number); a frozen engine is not
-        offloaded there (ZeRO-3 refuses to)."""
+        offloaded there (ZeRO-3 refuses to). Nor can ZeRO-3 step right after offloading its gradient partitions
+        (``offload_states`` "mid" with ``lp_grads`` included, on a step of one micro-batch per rank): offloading and
+        reloading them empties its record of them (``averaged_gradients = {}``), which only a later backward fills
+        again, so its step fails (KeyError 0; the random search met it). The odc stage's windows keep theirs."""
         counts = self.counts_per_step()
         if self.loss == "token" or self.split or any(len(set(c)) != 1 or c[0] == 0 for c in counts):
             return False
+        lp_grads = self.offload_include in ("all", "windows") and self.offload not in ("optimizer", "both")
+        last = self.offload_at is not None and counts[self.offload_at][0] == 1  # the step follows the offload
+        if self.offload_states == "mid" and lp_grads and last:
+            return False  # (with offload_optimizer DeepSpeed leaves the gradients out of include by itself)
         return self.rule != "mean" or all(c[0] == self.gas for c in counts)
 
     def describe(self) -> str:
@@ -191,8 +202,6 @@ class Job:
         for name in ("offload_at", "checkpoint_at", "generate_at"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)}")
-        if self.accumulator != "fp32":
-            parts.append(f"accumulator={self.accumulator}")
         parts.append(f"rule={self.rule}")
         parts.append("counts/step=" + " ".join("/".join(map(str, c)) for c in self.counts_per_step()))
         parts.append("lengths=" + " ".join(",".join(map(str, s.lengths)) for s in self.layout))
@@ -293,10 +302,19 @@ def _layout(d: _Draw, job: dict) -> Tuple[StepLayout, ...]:
     return tuple(steps)
 
 
+def accumulators(dtype: str) -> Tuple[Tuple[str, ...], Tuple[float, ...]]:
+    """The accumulator dtypes drawn with a model of ``dtype`` and their weights: every value of the axis with a
+    bf16 model, fp32 and fp64 with an fp32 one."""
+    values, weights = AXES["accumulator"]
+    return (values, weights) if dtype == "bf16" else (values[:2], weights[:2])
+
+
 def draw(seed: int) -> Job:
     """The job of ``seed``: every axis drawn with :data:`AXES`' weights, then the layout of its samples."""
     d = _Draw(seed)
-    values = {name: d.pick(choices, weights) for name, (choices, weights) in AXES.items()}
+    values = {name: d.pick(choices, weights) for name, (choices, weights) in AXES.items()
+              if name not in OWN_STREAM_AXES}
+    values["accumulator"] = _Draw(seed + OWN_STREAM_AXES["accumulator"]).pick(*accumulators(values["dtype"]))
     values["world"] = WORLD
     layout = _layout(d, values)
     between = [d.integer(1, STEPS - 1) for _ in range(3)]  # after at least one step
@@ -374,12 +392,14 @@ def pairs(job: Job) -> set:
 def census() -> Dict[str, object]:
     """How many combinations the axes span and how many of them the oracle refuses, by reason. Layouts and the
     steps of the calls between steps are drawn too and not counted. The oracle reads few axes: the product of those
-    is enumerated (with representative values for the layout-dependent ones), the rest multiply."""
+    is enumerated (with representative values for the layout-dependent ones), the rest multiply; precision and
+    accumulator count as the pairs of them that are drawn (:func:`accumulators`)."""
     read = ("parallel", "loss", "managed", "gas", "scale_wrt_gas", "backward", "coalesce", "optimizer", "offload",
             "offload_states", "offload_include", "generate")
-    total = 1
-    for values, _ in AXES.values():
-        total *= len(values)
+    precisions = sum(len(accumulators(dtype)[0]) for dtype in AXES["dtype"][0])
+    total = precisions
+    for name, (values, _) in AXES.items():
+        total *= 1 if name in ("dtype", "accumulator") else len(values)
     rest = total
     for name in read:
         rest //= len(AXES[name][0])
@@ -390,8 +410,8 @@ def census() -> Dict[str, object]:
         refusal = expected_refusal(job)
         if refusal is not None:
             refused[refusal.reason] = refused.get(refusal.reason, 0) + rest
-    return {"axes": {name: len(values) for name, (values, _) in AXES.items()}, "total": total,
-            "refused": sum(refused.values()), "by_reason": refused}
+    return {"axes": {name: len(values) for name, (values, _) in AXES.items()}, "precisions": precisions,
+            "total": total, "refused": sum(refused.values()), "by_reason": refused}
 
 
 def _replace(job: Job, values: dict) -> Job:
@@ -416,19 +436,23 @@ def estimated_cost(job: Job) -> float:
     return cost * (2 if job.zero3_comparable else 1)
 
 
-def cover(candidates: Sequence[int], budget: float) -> List[int]:
-    """Seeds chosen greedily from ``candidates``: first one job per refusal reason, then the job that adds the most
-    pairs of axis values not yet covered (by jobs that train) per unit of :func:`estimated_cost`, until the budget
-    is spent or nothing is left to add."""
-    jobs = {seed: draw(seed) for seed in candidates}
-    chosen: List[int] = []
-    spent = 0.0
+def cover(candidates: Sequence[int], budget: float, start: Sequence[int] = ()) -> List[int]:
+    """Seeds chosen greedily from ``candidates`` after ``start`` (seeds already chosen, whose cost counts against
+    the budget): first one job per refusal reason not yet among them, then the job that adds the most pairs of
+    axis values not yet covered (by jobs that train) per unit of :func:`estimated_cost`, until the budget is spent
+    or nothing is left to add."""
+    jobs = {seed: draw(seed) for seed in (*start, *candidates)}
+    chosen: List[int] = list(start)
+    spent = sum(estimated_cost(jobs[seed]) for seed in chosen)
+    refused = {r.reason for seed in chosen if (r := expected_refusal(jobs[seed])) is not None}
     for reason, *_ in REFUSALS:
+        if reason in refused:
+            continue
         seed = next(s for s, j in jobs.items() if (r := expected_refusal(j)) is not None and r.reason == reason)
         chosen.append(seed)
         spent += estimated_cost(jobs[seed])
-    covered: set = set()
     trained = {seed: pairs(job) for seed, job in jobs.items() if expected_refusal(job) is None}
+    covered: set = set().union(*(trained.get(seed, set()) for seed in chosen))
     while True:
         best, best_gain = None, 0.0
         for seed, job_pairs in trained.items():
@@ -444,11 +468,42 @@ def cover(candidates: Sequence[int], budget: float) -> List[int]:
         spent += estimated_cost(jobs[best])
 
 
+def judged_against_zero3(job: Job) -> bool:
+    """Whether the job's parameters are held to ZeRO-3's as well as one process's: it trains, ZeRO-3 can run it
+    (:attr:`Job.zero3_comparable`), and it is fp32 (the fp32 bar holds against both; a bf16 job's ZeRO-3 run is
+    only shown, under ``COMBINATIONS_DEBUG``)."""
+    return expected_refusal(job) is None and job.zero3_comparable and job.dtype == "fp32"
+
+
+def zero3_values(job: Job) -> set:
+    """The axis values (and the normalisation rule) a job judged against ZeRO-3 puts to ZeRO-3's numbers."""
+    return {(n, repr(v)) for n, v in axis_values(job).items()} | {("rule", repr(job.rule))}
+
+
+def zero3_cover(candidates: Sequence[int], start: Sequence[int] = ()) -> List[int]:
+    """Seeds added greedily to ``start`` from ``candidates`` until every axis value and rule that any of the
+    candidates' jobs judged against ZeRO-3 takes is taken by one of the chosen: the most new values per unit of
+    :func:`estimated_cost` first."""
+    judged = {seed: zero3_values(job) for seed in candidates if judged_against_zero3(job := draw(seed))}
+    chosen = list(start)
+    covered = set().union(*(zero3_values(draw(seed)) for seed in chosen if judged_against_zero3(draw(seed))))
+    wanted = set().union(*judged.values())
+    while not wanted <= covered:
+        best = max(judged, key=lambda seed: len(judged[seed] - covered) / estimated_cost(draw(seed)))
+        chosen.append(best)
+        covered |= judged[best]
+    return chosen
+
+
 def coverage(seeds: Sequence[int], universe: Sequence[int]) -> Dict[str, object]:
     """What ``seeds`` cover: the axis values and pairs of them among their jobs that train, against every value
-    and pair that jobs of ``universe`` train with; and the refusal reasons among them."""
+    and pair that jobs of ``universe`` train with; the refusal reasons among them; and the axis values and rules
+    that their jobs judged against ZeRO-3 take, against those of ``universe``'s."""
     def trained(pool):
         return [draw(s) for s in pool if expected_refusal(draw(s)) is None]
+
+    def against_zero3(jobs):
+        return set().union(*(zero3_values(j) for j in jobs if judged_against_zero3(j)))
 
     mine, every = trained(seeds), trained(universe)
     values = {(n, repr(v)) for j in mine for n, v in axis_values(j).items()}
@@ -456,5 +511,7 @@ def coverage(seeds: Sequence[int], universe: Sequence[int]) -> Dict[str, object]
     mine_pairs = set().union(*(pairs(j) for j in mine)) if mine else set()
     all_pairs = set().union(*(pairs(j) for j in every))
     reasons = {r.reason for s in seeds if (r := expected_refusal(draw(s))) is not None}
+    zero3, all_zero3 = against_zero3(mine), against_zero3(every)
     return {"values": (len(values & all_values), len(all_values)), "pairs": (len(mine_pairs & all_pairs),
-            len(all_pairs)), "missing_values": sorted(all_values - values), "reasons": sorted(reasons)}
+            len(all_pairs)), "missing_values": sorted(all_values - values), "reasons": sorted(reasons),
+            "zero3_values": (len(zero3 & all_zero3), len(all_zero3)), "missing_zero3": sorted(all_zero3 - zero3)}

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from tests.support.combination_jobs import NEW_TOKENS, Job, StepLayout, expected_refusal
+from tests.support.combination_jobs import NEW_TOKENS, Job, StepLayout, expected_refusal, judged_against_zero3
 
 VOCAB, IGNORE = 61, -100
 MODEL_SEED, RESUMED_SEED, REFERENCE_SEED = 7, 999, 11
@@ -407,6 +407,8 @@ def run_jobs(jobs: List[Job], workdir: str, zero3: bool = True, job_timeout: flo
                     break
                 records = [torch.load(path, weights_only=False) for path in paths]
                 problems = judge_records(job, records, initial)
+                if zero3 and judged_against_zero3(job) and "zero3" not in records[0]:
+                    problems.append("ZeRO-3 did not run a job it can run (its numbers were not compared)")
                 verdicts.append((job, problems))
                 if on_result is not None:
                     on_result(job, problems, records)
