@@ -38,8 +38,10 @@ class JobNodes:
     node_group: Any = None  # None: the default group (one node)
     cross_group: Any = None  # None on one node
     board_key: str = ""
-    #: every rank of the job, for pulls and pushes across nodes (cross_node "global" on several nodes only)
+    #: every rank of the job, for pulls and pushes across nodes (:meth:`open_remote_group`; only where the job's
+    #: cross_node mode resolved to one with owners on other nodes)
     remote_group: Any = None
+    timeout_s: float = 0.0
 
     @property
     def node_count(self) -> int:
@@ -48,6 +50,15 @@ class JobNodes:
     @property
     def first_rank(self) -> int:
         return self.node * self.local_world
+
+    def open_remote_group(self) -> Any:
+        """Collective over every rank (several nodes): a gloo group of the whole job, for the pulls and pushes that
+        cross nodes (:mod:`ds_odc.comm.remote`). Made once the job's cross_node mode is resolved, and only where
+        it puts owners on other nodes: a replicating job holds no idle group of every rank."""
+        if self.remote_group is None:
+            timeout = datetime.timedelta(seconds=self.timeout_s + _GROUP_TIMEOUT_MARGIN_S)
+            self.remote_group = tdist.new_group(list(range(self.topology.world_size)), timeout=timeout, backend="gloo")
+        return self.remote_group
 
     def link(self, timeout_s: float, heartbeat, mode: str = "replicate") -> CrossNodeLink:
         """This rank's link with the other nodes: nothing to exchange on one node; on several, the
@@ -83,10 +94,9 @@ class JobNodes:
             raise error_class(f"rank {rank} on {host} failed while {doing}: {text}") from None
 
 
-def job_nodes(timeout_s: float, global_sharding: bool = False) -> JobNodes:
-    """Collective over every rank: the hosts, the layout check, and the groups (several nodes only);
-    ``global_sharding`` (``cross_node: "global"``): also a gloo group of every rank, for the pulls and
-    pushes that cross nodes (:mod:`ds_odc.comm.remote`)."""
+def job_nodes(timeout_s: float) -> JobNodes:
+    """Collective over every rank: the hosts, the layout check, and the node and cross-node groups (several nodes
+    only; the group for pulls across nodes comes later, :meth:`JobNodes.open_remote_group`)."""
     rank = tdist.get_rank()
     mine = (socket.gethostname(), uuid.uuid4().hex[:12])
     everyone: list[Any] = [None] * tdist.get_world_size()  # every rank's (host, id), once gathered
@@ -107,10 +117,8 @@ def job_nodes(timeout_s: float, global_sharding: bool = False) -> JobNodes:
         group = tdist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             cross_group = group
-    remote_group = (tdist.new_group(list(range(topology.world_size)), timeout=timeout, backend="gloo")
-                     if global_sharding else None)
     return JobNodes(topology, node, local_rank, local_world, node_group, cross_group,
-                    board_key=f"ds_odc/{everyone[0][1]}/failure", remote_group=remote_group)
+                    board_key=f"ds_odc/{everyone[0][1]}/failure", timeout_s=timeout_s)
 
 
 def job_store(timeout_s: float):

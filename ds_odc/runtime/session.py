@@ -97,7 +97,7 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
         raise ODCConfigError(f"zero_optimization.odc.cross_node={plan.cross_node!r} runs on CPU hosts for now: on GPUs "
                              "pulls and pushes across nodes need the NVSHMEM transport, which is validated only as an "
                              "item of the GPU kit (docs/gpu.md); use 'replicate' (the default)")
-    nodes = nodes or job_nodes(plan.timeout_s, global_sharding=plan.cross_node != "replicate")
+    nodes = nodes or job_nodes(plan.timeout_s)
     choice = cross_node_choice(plan, nodes) if nodes.node_count > 1 else None
     mode = "replicate" if choice is None else choice.mode
     spread = mode != "replicate"  # one own block per rank; owners on other nodes remote (budget: but replicas)
@@ -123,8 +123,8 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
         nodes.agree(failure, "allocating its ODC windows")
         link = nodes.link(plan.timeout_s, transport.heartbeat, mode)
         if spread:
-            assert nodes.remote_group is not None
-            remote = RemoteWindows(nodes.remote_group, tdist.get_rank(), nodes.topology.world_size, plan.timeout_s,
+            remote = RemoteWindows(nodes.open_remote_group(), tdist.get_rank(), nodes.topology.world_size,
+                                   plan.timeout_s,
                                    window=transport.local_param_window,
                                    add_own=lambda offset, grad: transport.accumulate(transport.rank, offset, grad),
                                    cause=link.posted_failure)
@@ -142,8 +142,6 @@ def cross_node_choice(plan: SessionPlan, nodes: JobNodes) -> CrossNodeChoice:
     on the plan's shapes and names): the planner (:func:`~ds_odc.runtime.cross_node_plan.resolve_cross_node`)
     over the model's layers (:meth:`SessionPlan.layers`), with the accumulator's bytes per element (16 under
     exact sums: two fp64 regions)."""
-    if plan.cross_node != "replicate" and nodes.remote_group is None:
-        raise ODCConfigError(f"cross_node {plan.cross_node!r} without the job's group for pulls across nodes")
     accumulator = 16 if plan.exact else plan.accumulator_dtype.itemsize
     layers, _ = plan.layers()
     return resolve_cross_node(plan.cross_node, plan.replica_budget_gb, layers, nodes.node_count, nodes.local_world,

@@ -184,6 +184,10 @@ def test_auto_replicates_within_the_budget_keeps_the_layers_that_fit_and_else_sh
         assert mode == "global" and remote and "budget" in reason and "global" in reason, (rank, reason)
         for name in ("no_budget", "some", "large"):  # each layout trains the same step as global sharding
             assert worst_rel_diff(result[f"{name}_params"], result["small_params"]) <= FP32_ARRIVAL_ORDER_TOL, name
+        # the group for pulls across nodes (every rank's) is made only where owners are on the other node
+        spread = result["small_world_groups"]
+        assert result["some_world_groups"] == spread, result
+        assert result["no_budget_world_groups"] == result["large_world_groups"] == spread - 1, result
 
 
 @pytest.mark.parametrize("case", ("global_ckpt", "budget_ckpt"))

@@ -11,7 +11,15 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.runtime.layout import owner_slices
-from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import (
+    REFERENCE_CLIP,
+    REFERENCE_OPTIMIZER,
+    ds_config,
+    full_params,
+    make_model,
+    micro_batch,
+    mse_mean,
+)
 
 GLOBAL = {"cross_node": "global"}
 SHM = "/dev/shm"
@@ -314,11 +322,25 @@ def cut(out_dir: str, timeout_s: float = 5.0) -> None:
 def auto() -> dict:
     """cross_node "auto" without a budget, with one too small for any layer, one that some layers fit (400 bytes:
     budget_workloads.BUDGET_BYTES) and a large one: what each resolved to (mode, the logged reason, whether owners
-    on the other node are reached remotely) and the parameters after a step that trains."""
+    on the other node are reached remotely), how many groups of every rank initialize made, and the parameters
+    after a step that trains."""
     outcome = {}
+    made = []
+    new_group = tdist.new_group
+
+    def counting_new_group(ranks=None, *args, **kwargs):
+        made.append(len(ranks) if ranks is not None else tdist.get_world_size())
+        return new_group(ranks, *args, **kwargs)
+
     for name, budget in (("no_budget", None), ("small", 1e-9), ("some", 400 / 2 ** 30), ("large", 1000.0)):
         options = {"cross_node": "auto", **({"node_replica_budget_gb": budget} if budget else {})}
-        engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=options))
+        made.clear()
+        tdist.new_group = counting_new_group
+        try:
+            engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=options))
+        finally:
+            tdist.new_group = new_group
+        outcome[f"{name}_world_groups"] = made.count(tdist.get_world_size())
         x, y, _ = micro_batch(0, tdist.get_rank(), 0)
         engine.backward(mse_mean(engine(x), y))
         engine.step()
