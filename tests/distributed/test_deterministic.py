@@ -15,6 +15,16 @@ MASKED = ((0, 1),)  # a micro-batch without a loss token
 FP32_TOL = 1e-5
 
 
+def test_without_exact_sums_the_same_two_runs_differ():
+    """The control: the delays reorder pushes enough that fp32 accumulators (the default) sum them in another
+    order in the second run, so the runs differ in some bits; without it the test below could not fail."""
+    first, second = run_ranks(deterministic.train_twice, 4, COUNTS, 3, "fp32", MASKED, timeout=240)[0]
+    assert not first["exact"]
+    differ = [step for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True))
+              if not all(torch.equal(a[name], b[name]) for name in a)]
+    assert differ or first["losses"] != second["losses"], "two fp32 runs with other delays gave the same bits"
+
+
 @pytest.mark.parametrize("via", ["config", "torch"])
 def test_two_runs_with_ranks_delayed_differently_are_identical_bit_for_bit(via):
     runs = run_ranks(deterministic.train_twice, 4, COUNTS, 3, via, MASKED, timeout=240)

@@ -56,6 +56,8 @@ def test_global_sharding_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases, case
     blocks.0, with fp32 every unit but out.weight, the frozen layer included)."""
     exact, default, zero3 = cases[case][0]
     assert exact["engine"] == default["engine"] == "ODCEngine" and zero3["engine"] == "DeepSpeedEngine"
+    mode = case.split("_")[0]
+    assert all(odc["cross_node"] == mode for runs in cases[case] for odc in runs[:2])  # what ran is what was asked
     for rank_exact, rank_default, rank_zero3 in cases[case]:
         for odc in (rank_exact, rank_default):
             for a, b in zip(odc["losses"], rank_zero3["losses"], strict=True):
@@ -69,6 +71,7 @@ def test_global_sharding_on_2x2_equals_zero3_on_4_ranks_step_by_step(cases, case
 
 def test_global_sharding_bf16_within_zero3_bf16_self_difference(cases):
     odc, zero3, zero3_fp32, odc_bf16, budget_bf16 = cases["global_bf16_adam_gas1"][0]
+    assert (odc["cross_node"], odc_bf16["cross_node"], budget_bf16["cross_node"]) == ("global", "global", "budget")
     assert budget_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")
     assert odc_bf16["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")  # ZeRO-3's gradient dtype
     for step in range(len(odc["params"])):
@@ -86,6 +89,7 @@ def test_global_sharding_uneven_counts_across_nodes_equal_single_process(cases, 
     counts = UNEVEN[case[len("global_"):]]
     expected = reference_training(mode, counts, masked=MASKED if mode == "token" else ())
     for rank, result in enumerate(cases[case]):
+        assert result["cross_node"] == "global", result["cross_node"]
         diff = worst_rel_diff(result["params"], expected)
         assert diff <= FP32_TOL, f"{case} {counts}, rank {rank}: {diff:.2e} from the single-process reference"
         assert result["phase"] == "idle"
@@ -98,6 +102,7 @@ def test_auto_trains_as_one_process_whichever_mode_it_resolves_to(cases, case, m
     does, and resolved to global reaches owners on the other node: one process's training, uneven counts."""
     expected = reference_training(mode, counts)
     for rank, result in enumerate(cases[case]):
+        assert result["cross_node"] == case.split("_")[1], result["cross_node"]
         diff = worst_rel_diff(result["params"], expected)
         assert diff <= FP32_TOL, f"{case} {counts}, rank {rank}: {diff:.2e} from the single-process reference"
 
@@ -299,6 +304,7 @@ def test_budget_with_uneven_counts_across_nodes_equals_single_process(cases):
     """Ranks run (1, 3, 0, 2) micro-batches: one process's training."""
     expected = reference_training("unmanaged", UNEVEN["uneven_unmanaged"])
     for rank, result in enumerate(cases["budget_uneven_unmanaged"]):
+        assert result["cross_node"] == "budget", result["cross_node"]
         assert worst_rel_diff(result["params"], expected) <= FP32_TOL, rank
         assert result["phase"] == "idle"
 

@@ -6,6 +6,7 @@ from tests.support.harness import run_ranks
 from tests.support.workloads import make_model, reference_training, train_uneven, train_uneven_each
 
 TOL = 1e-6
+ADAM = {"optimizer": "adam", "clip": 1.0}
 
 
 @pytest.mark.parametrize("mode,counts", [("unmanaged", (1, 3)), ("managed", (1, 3)), ("unmanaged", (0, 3))],
@@ -30,6 +31,18 @@ def test_per_token_normalisation_with_unequal_and_zero_tokens():
         assert diff <= TOL, f"rank {rank}: params differ from the single-process reference by {diff:.2e}"
 
 
+@pytest.mark.parametrize("mode", ["unmanaged", "managed", "token"])
+def test_a_wrong_divisor_would_exceed_the_bar(mode):
+    """The uneven tests (here and across nodes) can fail on a wrong divisor: the reference trained with every
+    gradient doubled or halved (a count missed, an idle rank counted) lands far beyond ``TOL``, with the counts
+    and masks the two-host tests use too. (Under Adam with clipping, which these tests ran before, both landed
+    within it.)"""
+    counts, masked = (1, 3, 0, 2), ((0, 0),)
+    good = reference_training(mode, counts, masked=masked)
+    for scale in (2.0, 0.5):
+        assert worst_rel_diff(reference_training(mode, counts, masked=masked, scale=scale), good) > 100 * TOL, scale
+
+
 def test_zero3_hangs_where_odc_does_not():
     """The same uneven script under ZeRO-3: ranks block in mismatched collectives."""
     report = run_ranks(train_uneven, 2, 3, "unmanaged", (1, 3), timeout=20, report=True)  # ODC: ~3 s
@@ -42,12 +55,16 @@ def test_zero3_hangs_where_odc_does_not():
 def test_bf16_accumulators_with_uneven_counts_land_where_fp32_accumulators_do(mode, counts, masked):
     """A bf16 model, uneven counts (an idle rank, a micro-batch without loss tokens) under each rule: bf16
     accumulators (``accumulator_dtype: "bf16"``, ZeRO-3's gradient bytes) round every push, fp32 ones do not;
-    both land within bf16's distance of the fp32 reference, far inside where a micro-batch lost would put them."""
+    both land within bf16's distance of the fp32 reference, far inside where a micro-batch lost would put them.
+    Adam with clipping: each element moves by about the learning rate, which bf16's rounding is measured
+    against (SGD's steps here are smaller than bf16's error)."""
     bf16_accumulators, fp32_accumulators = run_ranks(
-        train_uneven_each, 2, [{"accumulator_dtype": "bf16"}, {}], True, mode, counts, 3, masked)[0]
-    expected = reference_training(mode, counts, masked=masked)
+        train_uneven_each, 2, [{"accumulator_dtype": "bf16"}, {}], True, mode, counts, 3, masked, *ADAM.values())[0]
+    assert bf16_accumulators["window_dtypes"] == ("torch.bfloat16", "torch.bfloat16")
+    assert fp32_accumulators["window_dtypes"] == ("torch.bfloat16", "torch.float32")
+    expected = reference_training(mode, counts, masked=masked, **ADAM)
     initial = {name: param.detach() for name, param in make_model().named_parameters()}
-    lost = reference_training(mode, (counts[0], counts[1] - 1), masked=masked)  # rank 1's last micro-batch lost
+    lost = reference_training(mode, (counts[0], counts[1] - 1), masked=masked, **ADAM)  # rank 1's last one lost
     lost_off = movement_distance(lost, expected, initial)
     fp32_off = movement_distance(fp32_accumulators["params"], expected, initial)
     bf16_off = movement_distance(bf16_accumulators["params"], expected, initial)

@@ -13,7 +13,15 @@ from deepspeed.utils import (
     safe_set_full_grad,
 )
 
-from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean
+from tests.support.workloads import (
+    REFERENCE_CLIP,
+    REFERENCE_OPTIMIZER,
+    ds_config,
+    full_params,
+    make_model,
+    micro_batch,
+    mse_mean,
+)
 
 MICRO_BATCHES = 2  # per step and rank, unless a workload says otherwise
 
@@ -188,12 +196,14 @@ def norm_groups_before_step(stage):
 
 def offload_param_training(stage, counts, steps=3, optimizer_offload=True):
     """``offload_param: {"device": "cpu"}`` (what every framework's ZeRO-3 offload config sets, usually with
-    ``offload_optimizer`` too), Adam, unmanaged accumulation: rank r runs ``counts[r]`` micro-batches a step.
+    ``offload_optimizer`` too), SGD without clipping (as :func:`reference_training`), unmanaged accumulation: rank
+    r runs ``counts[r]`` micro-batches a step.
     Returns the parameters after each step, and where this rank's shards live."""
     zero = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
     if optimizer_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(stage, gas=1, managed=False, **zero))
+    config = ds_config(stage, gas=1, managed=False, optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, **zero)
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
     rank = tdist.get_rank()
     params = []
     for step in range(steps):

@@ -10,7 +10,15 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
-from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_token_sum
+from tests.support.workloads import (
+    REFERENCE_CLIP,
+    REFERENCE_OPTIMIZER,
+    ds_config,
+    full_params,
+    make_model,
+    micro_batch,
+    mse_token_sum,
+)
 
 
 def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_delay_s: float = 0.03) -> dict:
@@ -20,7 +28,7 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
     Returns every micro-batch's loss and the parameters after every step."""
     rank = tdist.get_rank()
     odc = {"deterministic": True} if via == "config" else {}
-    config = ds_config("odc", managed=False, odc=odc)
+    config = ds_config("odc", managed=False, optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, odc=odc)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(via == "torch" or before)
     try:

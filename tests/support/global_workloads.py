@@ -228,7 +228,8 @@ def delayed(counts, steps: int = 3) -> dict:
     updated it nor see an owner update before every push sent to it has landed. Unmanaged mode, uneven counts;
     returns the parameters (the test compares them with one process's)."""
     rank = tdist.get_rank()
-    cfg = ds_config("odc", managed=False, stage3_param_persistence_threshold=0, odc=GLOBAL)
+    cfg = ds_config("odc", managed=False, optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP,
+                    stage3_param_persistence_threshold=0, odc=GLOBAL)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     runtime = _runtime(engine)
     if rank == 3:

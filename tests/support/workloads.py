@@ -151,10 +151,7 @@ def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_
     probe = GradProbe(engine)
     rank = tdist.get_rank()
     record = {"engine": type(engine).__name__, "losses": [], "grads": [], "params": []}
-    runtime = getattr(engine.optimizer, "odc", None)
-    if runtime is not None:  # what pulls read and pushes add into
-        record["window_dtypes"] = (str(runtime.transport.local_param_window().dtype),
-                                   str(runtime.transport.local_grad_accumulator().dtype))
+    record.update(odc_runtime_facts(engine))  # what pulls read and pushes add into; the layout across nodes
     gradients = engine.optimizer.grad_partitions_flat_buffer  # ZeRO-3's gradient partitions (ODC: its accumulator)
     record["gradient_bytes"] = gradients.numel() * gradients.element_size()
     for step in range(steps):
@@ -178,18 +175,30 @@ def train_pair(configs, steps=10, gas=1, model_kw=None, torch_style=False):
             for stage, kw in configs]
 
 
-def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None, bf16=False):
+#: What jobs compared with :func:`reference_training` train with (:func:`train_uneven` and the others that
+#: compare with it): SGD without clipping, under which a gradient off by a factor moves every parameter by that
+#: factor. Adam divides each element by its own size and clipping rescales the norm: under them a wrong divisor
+#: (a count missed across nodes, an idle rank counted, a third of the gradient) moved parameters by less than
+#: the 1e-6 bar.
+REFERENCE_OPTIMIZER = "sgd"
+REFERENCE_CLIP = 0.0
+
+
+def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None, bf16=False,
+                 optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP):
     """Ranks run ``counts[rank]`` micro-batches per step.
 
     mode "unmanaged": ``managed_gradient_accumulation: false``, ``engine.backward(loss)``;
     mode "managed": each rank sets the boundary on its own last micro-batch (accelerate's pattern);
     mode "token": unmanaged, per-token loss sums with ``loss_tokens``; ``masked`` lists (rank, index) whose
-    micro-batch carries zero loss tokens."""
+    micro-batch carries zero loss tokens. Records, besides the parameters, the cross_node mode the odc stage
+    resolved to and its windows' dtypes (what a test asks for is what ran)."""
     rank = tdist.get_rank()
     managed = mode == "managed"
     options = {**({"timeout_s": timeout_s} if timeout_s else {}), **(odc or {})}
     zero = {"odc": options} if (options and stage == "odc") else {}
-    cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, bf16=bf16, **zero)
+    cfg = ds_config(stage, gas=gas if managed else 1, managed=managed, bf16=bf16, optimizer=optimizer, clip=clip,
+                    **zero)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(steps):
@@ -209,23 +218,42 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None,
             engine.step()
     params = full_params(engine)
     result = {"params": params, "global_samples": engine.global_samples,
-              "phase": getattr(engine, "odc_phase", None)}
+              "phase": getattr(engine, "odc_phase", None), **odc_runtime_facts(engine)}
     result["phase"] = result["phase"].value if result["phase"] is not None else None
     engine.destroy()
     return result
 
 
-def train_uneven_each(odc_options, bf16, mode, counts, steps=3, masked=()):
+def odc_runtime_facts(engine) -> dict:
+    """The odc stage's resolved cross_node mode ("replicate" on one node) and its windows' dtypes; empty on
+    another stage."""
+    runtime = getattr(engine.optimizer, "odc", None)
+    if runtime is None:
+        return {}
+    choice = runtime.cross_node
+    return {"cross_node": "replicate" if choice is None else choice.mode,
+            "window_dtypes": (str(runtime.transport.local_param_window().dtype),
+                              str(runtime.transport.local_grad_accumulator().dtype))}
+
+
+def train_uneven_each(odc_options, bf16, mode, counts, steps=3, masked=(), optimizer=REFERENCE_OPTIMIZER,
+                      clip=REFERENCE_CLIP):
     """:func:`train_uneven` on the odc stage once per entry of ``odc_options`` (its ``odc`` argument), in the
     same ranks."""
-    return [train_uneven("odc", mode, counts, steps, masked, odc=options, bf16=bf16) for options in odc_options]
+    return [train_uneven("odc", mode, counts, steps, masked, odc=options, bf16=bf16, optimizer=optimizer, clip=clip)
+            for options in odc_options]
 
 
-def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
+def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=REFERENCE_CLIP, optimizer=REFERENCE_OPTIMIZER,
+                       scale=1.0):
     """Single process, plain PyTorch: the update each step is computed on the global batch of all
-    ranks' micro-batches with the rule of ``mode``."""
+    ranks' micro-batches with the rule of ``mode``; ``optimizer`` and ``clip`` as :func:`ds_config` builds them
+    ("sgd": momentum 0.9; "adam": torch's Adam, no weight decay; clip 0: none). ``scale`` multiplies every
+    gradient: a control, what a wrong divisor would train."""
     model = make_model()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (torch.optim.SGD(trained, lr=lr, momentum=0.9) if optimizer == "sgd"
+                 else torch.optim.AdamW(trained, lr=lr, weight_decay=0.0))
     world = len(counts)
     for step in range(steps):
         optimizer.zero_grad()
@@ -239,11 +267,12 @@ def reference_training(mode, counts, steps=3, masked=(), lr=1e-2, clip=1.0):
                 total_tokens += int(mask.sum().item())
             else:
                 mse_mean(pred, y).backward()
-        divisor = {"unmanaged": world, "managed": len(batches), "token": max(total_tokens, 1)}[mode]
+        divisor = {"unmanaged": world, "managed": len(batches), "token": max(total_tokens, 1)}[mode] / scale
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(divisor)
-        clip_like_deepspeed(model, clip)
+        if clip > 0:
+            clip_like_deepspeed(model, clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
