@@ -257,10 +257,12 @@ def test_a_remote_owner_killed_mid_pull_mid_push_or_at_the_step_is_named_by_ever
     assert {report["host"] for report in reports.values()} == {"node0", "node1"}
 
 
-@pytest.mark.parametrize("case", [f"{mode}_stalled" for mode in FAILURE_MODES])
+@pytest.mark.parametrize("case", [f"{mode}_stalled" for mode in FAILURE_MODES] + ["budget_stalled_sum"])
 def test_a_stalled_remote_owner_is_named_by_every_rank_within_the_bound(hosts, tmp_path, case):  # noqa: F811
-    """Rank 3 stops (SIGSTOP) before step 1: the others' pulls from it and their rounds wait timeout_s (5 s),
-    then every survivor raises naming rank 3; both /dev/shm empty."""
+    """Rank 3 stops (SIGSTOP) before step 1, or (budget_stalled_sum) inside the step as it enters the replicated
+    layers' reduce-scatter, its partner rank 1 then waiting in that collective: the others' pulls from it, their
+    rounds and that collective wait timeout_s (5 s), then every survivor raises naming rank 3; both /dev/shm
+    empty."""
     out_dir, procs = _launch_failure(hosts, tmp_path, case)
     results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
     logs = _logs(results)
