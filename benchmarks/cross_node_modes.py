@@ -1,5 +1,6 @@
-"""ODC's ``cross_node`` modes ("replicate", "global"; "global-bf16": global with ``accumulator_dtype: "bf16"``) and
-ZeRO-3, measured on two hosts (2 nodes x 2 CPU ranks).
+"""ODC's ``cross_node`` modes ("replicate", "global"; "global-bf16": global with ``accumulator_dtype: "bf16"``;
+"budget": the first half of the layers replicated per node, the rest global) and ZeRO-3, measured on two hosts
+(2 nodes x 2 CPU ranks).
 
 The two hosts are the test bed's (``tests/support/netns.py``): network, mount and UTS namespaces on this
 machine joined by a veth pair, each host its own ``/dev/shm``. Every mode is one fresh ``torchrun --nnodes 2
@@ -11,8 +12,11 @@ bf16, Adam) for warm-up + measured steps of 2 micro-batches each, and reports pe
   over the measured steps, per step (measured); "replicate": the link's reduce-scatter of the accumulator's
   trainable blocks and all-gather of the window's, from the layout:
   ``(window element + accumulator element) * layout.trainable_numel * (nodes - 1)`` per step, and the
-  link's collectives per step (counted); ZeRO-3: an estimate, ``3 * c * P * (W - 1) / W`` per micro-batch
-  (two all-gathers and a reduce-scatter of a ring over all W ranks, c bytes per element), not measured;
+  link's collectives per step (counted); "budget": both, the remote bytes of the global layers (measured) plus
+  the link's reduce-scatter and all-gather of the replicated ones, ``(window element + accumulator element) *
+  replica_trainable * (nodes - 1)`` from the layout's replica slot; ZeRO-3: an estimate,
+  ``3 * c * P * (W - 1) / W`` per micro-batch (two all-gathers and a reduce-scatter of a ring over all W ranks,
+  c bytes per element), not measured;
 * the bytes of the parameter window and gradient accumulator this rank allocated (ODC: the transport's
   ``local_param_window()`` / ``local_grad_accumulator()``; ZeRO-3: its parameter partitions, ``ds_tensor``, and
   its gradient partitions, ``grad_partitions_flat_buffer``);
@@ -35,13 +39,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODES = ("replicate", "global", "global-bf16", "zero3")
+MODES = ("replicate", "global", "global-bf16", "budget", "zero3")
 #: each ODC mode's odc block
 ODC_OPTIONS = {"replicate": {"cross_node": "replicate"}, "global": {"cross_node": "global"},
                "global-bf16": {"cross_node": "global", "accumulator_dtype": "bf16"}}
 NODES, LOCAL = 2, 2
 WORLD = NODES * LOCAL
 MICRO_BATCHES = 2
+#: "budget" replicates this share of the model's layers (the leading ones, as the planner takes them)
+BUDGET_SHARE = 0.5
 
 
 # -- on each rank (under torchrun) ----------------------------------------------------------------------
@@ -53,16 +59,19 @@ def rank_main(mode: str, out_dir: str, hidden: int, layers: int, warmup: int, st
     import torch
     import torch.distributed as tdist
 
+    from ds_odc.runtime.replica_layout import group_layers
     from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = tdist.get_rank()
+    model = make_model(layers=layers, hidden=hidden)
+    options: dict = {}
     if mode == "zero3":
         config = ds_config(3, gas=MICRO_BATCHES, bf16=True)
     else:
-        config = ds_config("odc", gas=MICRO_BATCHES, bf16=True, odc=ODC_OPTIONS[mode])
-    model = make_model(layers=layers, hidden=hidden)
+        options = budget_options(model) if mode == "budget" else ODC_OPTIONS[mode]
+        config = ds_config("odc", gas=MICRO_BATCHES, bf16=True, odc=options)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -91,7 +100,13 @@ def rank_main(mode: str, out_dir: str, hidden: int, layers: int, warmup: int, st
                       accumulator_bytes=accumulator.numel() * accumulator.element_size(),
                       trainable_numel=odc.layout.trainable_numel, layout_nodes=odc.layout.node_count,
                       window_element=window.element_size(), accumulator_element=accumulator.element_size(),
-                      counters=counters)
+                      counters=counters, cross_node=odc.cross_node.mode if odc.cross_node else mode)
+        if mode == "budget":
+            blocks = odc.layout.blocks
+            result.update(replicated_layers=list(odc.cross_node.replicated_layers), layer_count=len(
+                group_layers([(p.ds_id, name, p.ds_numel, p.requires_grad)
+                              for name, p in engine.module.named_parameters()])[0]),
+                replica_trainable=blocks.replica_trainable, budget_gb=options["node_replica_budget_gb"])
     else:
         partitions = [p.ds_tensor for p in engine.module.parameters()]
         gradients = engine.optimizer.grad_partitions_flat_buffer
@@ -103,6 +118,20 @@ def rank_main(mode: str, out_dir: str, hidden: int, layers: int, warmup: int, st
         json.dump(result, out)
     tdist.barrier()
     tdist.destroy_process_group()
+
+
+def budget_options(model) -> dict:
+    """The odc block of "budget": a ``node_replica_budget_gb`` that exactly pays for the leading
+    ``BUDGET_SHARE`` of the model's layers (the planner's own grouping and cost, bf16 window, fp32 accumulator),
+    so that the job replicates those and keeps the rest global whatever ``--layers`` and ``--hidden`` are."""
+    from ds_odc.runtime.cross_node_plan import replicated_extra_bytes
+    from ds_odc.runtime.replica_layout import group_layers
+
+    named = [(key, name, p.numel(), p.requires_grad) for key, (name, p) in enumerate(model.named_parameters())]
+    layers, _ = group_layers(named)
+    wanted = layers[:max(1, round(len(layers) * BUDGET_SHARE))]
+    cost = sum(replicated_extra_bytes(trainable, frozen, NODES, LOCAL) for _, trainable, frozen in wanted)
+    return {"cross_node": "budget", "node_replica_budget_gb": cost * (1 + 1e-9) / 2 ** 30}
 
 
 def _counters(odc) -> dict:
@@ -118,14 +147,37 @@ def _counters(odc) -> dict:
 def cross_node_bytes(result: dict, steps: int) -> tuple[float, str]:
     """Cross-node bytes per step of one rank, and how they were obtained."""
     if result["mode"].startswith("global"):
-        first, last = result["counters"]
-        moved = (last["bytes_read"] - first["bytes_read"]) + (last["bytes_pushed"] - first["bytes_pushed"])
-        return moved / steps, "measured"
+        return remote_bytes(result, steps), "measured"
+    if result["mode"] == "budget":
+        return remote_bytes(result, steps) + replica_link_bytes(result), "measured + layout"
     if result["mode"] == "replicate":
         per_element = result["window_element"] + result["accumulator_element"]
         return per_element * result["trainable_numel"] * (NODES - 1), "layout"
     c = result["compute_element"]
     return MICRO_BATCHES * 3 * c * result["params"] * (WORLD - 1) / WORLD, "estimate"
+
+
+def remote_bytes(result: dict, steps: int) -> float:
+    """Bytes per step this rank read from and pushed to owners on the other node (the remote transport's)."""
+    return per_step(result, "bytes_read", steps) + per_step(result, "bytes_pushed", steps)
+
+
+def replica_link_bytes(result: dict) -> float:
+    """Bytes per step of budget's link: the replicated layers' accumulator slot reduce-scattered and their window
+    slot all-gathered, once per other node (the layout's ``replica_trainable`` elements each)."""
+    per_element = result["window_element"] + result["accumulator_element"]
+    return per_element * result["replica_trainable"] * (NODES - 1)
+
+
+def budget_line(results: dict) -> list:
+    """Which layers "budget" replicated (the same on every rank), for the text above the table."""
+    if "budget" not in results:
+        return []
+    first = results["budget"][0]
+    layers = first["replicated_layers"]
+    return [f"budget: `node_replica_budget_gb` {first['budget_gb']:.6f} ({first['budget_gb'] * 2 ** 30 / 2 ** 20:.1f}"
+            f" MiB per rank beyond global), {len(layers)} of {first['layer_count']} layers replicated per node: "
+            f"{', '.join(layers)}; the rest global.", ""]
 
 
 def per_step(result: dict, key: str, steps: int) -> float:
@@ -139,17 +191,21 @@ def markdown(results: dict, steps: int, hidden: int, layers: int, warmup: int) -
     lines = [f"Model: `make_model(layers={layers}, hidden={hidden})`, {any_rank['params'] / 1e6:.1f}M parameters "
              f"({any_rank['trainable'] / 1e6:.1f}M trainable), bf16, Adam; {MICRO_BATCHES} micro-batches of 4 "
              f"samples per step, {warmup} warm-up + {steps} measured steps; 2 nodes x 2 ranks.", "",
+             *budget_line(results),
              "| mode | rank | median step (s) | cross-node MiB per step | how | window MiB | accumulator MiB "
              "| RSS after init (MiB) | peak RSS (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         for result in results.get(mode, []):
             moved, how = cross_node_bytes(result, steps)
-            if mode.startswith("global"):
+            if mode.startswith("global") or mode == "budget":
                 how += (f": read {per_step(result, 'bytes_read', steps) / mib:.1f} in "
                         f"{per_step(result, 'reads', steps):.0f} reads, pushed "
                         f"{per_step(result, 'bytes_pushed', steps) / mib:.1f} in "
                         f"{per_step(result, 'pushes', steps):.0f} pushes")
+                if mode == "budget":
+                    how += (f"; link {replica_link_bytes(result) / mib:.1f} "
+                            f"({per_step(result, 'collectives', steps):.0f} link collectives/step)")
             elif mode == "replicate":
                 how += f" ({per_step(result, 'collectives', steps):.0f} link collectives/step)"
             else:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as tdist
@@ -285,11 +285,7 @@ class TorchDistributedLink(CrossNodeLink):
             if record is not None:
                 raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record)
             if time.monotonic() > deadline:
-                record = FailureRecord(self.rank, 0, doing, f"waited {self.timeout_s:.0f}s for the other nodes' ranks "
-                                       f"of its cross-node group", FailureKind.STALLED)
-                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for the other nodes while "
-                                      f"{doing}: a rank there is stuck or its node is gone "
-                                      "(zero_optimization.odc.timeout_s)", record)
+                self._timed_out(doing)
             self.heartbeat()
         try:
             if not self.blocking_waits:
@@ -301,6 +297,24 @@ class TorchDistributedLink(CrossNodeLink):
             if record is not None:
                 raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record) from err
             raise ODCPeerError(f"rank {self.rank} lost the other nodes while {doing}: {err}", None) from err
+
+    def _timed_out(self, doing: str) -> NoReturn:
+        """Raise for a collective that waited ``timeout_s``: naming the rank the board names, if one is posted
+        within the grace, else only the wait.
+
+        A rank stalled inside the step (SIGSTOP, a hang) is found by its own node's rounds ``timeout_s`` after
+        its last progress, and its partner here waits ``timeout_s`` from entering the collective: both run out at
+        about the same moment, so without waiting for the board its partner raised naming no one about half the
+        time (reproduced in tests/distributed/test_exchange.py, a stall posted 0.5 s after the timeout). The bound
+        is then ``timeout_s`` plus ``min(CAUSE_GRACE_S, timeout_s)``, as for a collective broken by a peer."""
+        record = self._cause(min(CAUSE_GRACE_S, self.timeout_s))
+        if record is not None:
+            raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record)
+        record = FailureRecord(self.rank, 0, doing, f"waited {self.timeout_s:.0f}s for the other nodes' ranks "
+                               f"of its cross-node group", FailureKind.STALLED)
+        raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for the other nodes while "
+                              f"{doing}: a rank there is stuck or its node is gone "
+                              "(zero_optimization.odc.timeout_s)", record)
 
     def _cause(self, grace_s: float) -> Optional[FailureRecord]:
         """The board's record, waiting up to ``grace_s`` for it: a collective breaks as soon as a peer's

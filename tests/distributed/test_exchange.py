@@ -53,3 +53,14 @@ def test_a_silent_node_is_bounded_by_the_timeout():
     assert "waited 3s for the other nodes" in result["message"], result
     assert 3.0 <= result["waited_s"] < 8.0, result
     assert result["heartbeats"] > 0  # its node's peers saw it alive while it waited
+
+
+def test_a_stalled_rank_found_by_its_node_just_after_the_timeout_is_named():
+    """Rank 3 stalls inside the step (the ``budget_stalled_sum`` case of test_two_hosts_global.py): its node peer
+    finds it by the node's rounds after timeout_s, about when rank 1's wait for it in the cross-node collective
+    runs out. Rank 1 must name rank 3 from the board, not only say that it waited for "the other nodes"."""
+    results = run_ranks(failure_reaches_the_other_node, WORLD, "stalled", 3.0, timeout=120)
+    result = results[1]
+    assert result["error"] == "ODCPeerError", result
+    assert result["message"].startswith("rank 3 made no progress for 3s"), result
+    assert result["origin"] == 3 and 3.0 <= result["waited_s"] < 6.0, result

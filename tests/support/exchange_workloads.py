@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.comm.cross_node import FailureBoard, TorchDistributedLink
-from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.failure import FailureKind, FailureRecord
 from ds_odc.comm.nodes import job_store
 from ds_odc.comm.topology import Topology
 from ds_odc.runtime.layout import WindowLayout
@@ -64,13 +64,19 @@ def one_step() -> dict:
             "window": window, "rows": rows, "norm": float(norm), "step_collectives": exchange.collectives - before}
 
 
+#: how long after entering the exchange rank 2 posts rank 3's stall in the "stalled" case, beyond timeout_s
+STALL_FOUND_AFTER_S = 0.5
+
+
 def failure_reaches_the_other_node(how: str, timeout_s: float) -> dict:
     """Rank 3 fails (``how="posted"``: it posts a failure record, as a rank whose node lost a peer
-    does) or never joins (``"silent"``); the others enter the exchange. Returns the error each gets
-    and how long it waited. Rank 0's process holds the store: every rank stays until rank 1 is done."""
+    does), never joins (``"silent"``), or stalls (``"stalled"``: it never joins, and its node peer, rank 2,
+    posts that it made no progress a little after ``timeout_s``, as a node's rounds find a stalled rank about
+    when a cross-node partner's wait for it runs out); the others enter the exchange. Returns the error each
+    gets and how long it waited. Rank 0's process holds the store: every rank stays until rank 1 is done."""
     _, layout, exchange, beats = _exchange(timeout_s, key=f"failure-{how}")
     rank = tdist.get_rank()
-    hold_s = 5.0 if how == "posted" else timeout_s + 3
+    hold_s = 5.0 if how == "posted" else 2 * timeout_s + 3
     if rank == 3:
         if how == "posted":
             exchange.announce(FailureRecord(3, 7, "the step fence", "RuntimeError: injected"))
@@ -83,6 +89,10 @@ def failure_reaches_the_other_node(how: str, timeout_s: float) -> dict:
     except Exception as err:  # noqa: BLE001 - the error is the result
         result = {"rank": rank, "error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start,
                   "origin": getattr(getattr(err, "record", None), "origin", None), "heartbeats": len(beats)}
+    if rank == 2 and how == "stalled":
+        time.sleep(max(0.0, start + timeout_s + STALL_FOUND_AFTER_S - time.monotonic()))
+        exchange.announce(FailureRecord(3, 7, "waiting at a rendezvous round of step 7",
+                                        f"made no progress for {timeout_s:.0f}s", FailureKind.STALLED))
     if rank != 1:  # ranks 0 and 2 meet each other (or see the board): rank 1 waits for rank 3
         time.sleep(hold_s)
     return result

@@ -181,30 +181,51 @@ def bitwise(counts, steps=3) -> dict:
     return {"replicate": replicate["params"], "global": spread["params"]}
 
 
-def killed(out_dir: str, victim: int, where: str) -> None:
+def killed(out_dir: str, victim: int, where: str, odc: dict = GLOBAL) -> None:
     """Rank ``victim`` (node 1) is SIGKILLed at ``where`` of step 1 ("forward": before its pulls; "backward":
-    after its forward, so that the others' pushes into it fail); every other rank reports the error it raised,
-    how long after the kill it waited, and its node's /dev/shm after ``engine.destroy()``."""
+    after its forward, so that the others' pushes into it fail; "step": after its backward, right before
+    ``engine.step()``, so that the others are in the step's fence and its counts' gather when it dies; "sum" /
+    "gather": inside the step, as it enters the link's gradient sum / window gather, so that its partner on the
+    other node is inside that collective: under the budget BudgetLink's list-form reduce-scatter / all-gather);
+    every other rank reports the error it raised, how long after the kill it waited, and its node's /dev/shm
+    after ``engine.destroy()``. ``odc``: the cross_node options (global sharding, or a budget)."""
     import signal
 
     rank = tdist.get_rank()
-    engine = _engine_after_step_zero(timeout_s=60)
+    engine = _engine_after_step_zero(timeout_s=60, odc=odc)
     x, y, _ = micro_batch(1, rank, 0)
+    if rank == victim and where in ("sum", "gather"):
+        _die_entering(_runtime(engine).link, "reduce_gradients" if where == "sum" else "gather_windows")
     if rank == victim and where == "forward":
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     result: dict = {"error": None}
     try:
         loss = mse_mean(engine(x), y)
-        if rank == victim:
+        if rank == victim and where == "backward":
             os.kill(os.getpid(), signal.SIGKILL)
         engine.backward(loss)
+        if rank == victim and where == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
         engine.step()
     except Exception as err:  # noqa: BLE001 - the error is the result
         result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
     result = _destroyed(engine, result)
     _report(out_dir, where, result, [r for r in range(tdist.get_world_size()) if r != victim])
     os._exit(0)
+
+
+def _die_entering(link, method: str) -> None:
+    """SIGKILL this rank as it enters its cross-node link's ``method`` inside the step: killed before
+    ``engine.step()``, it is found at the fence and its counts' gather, and the survivors never reach the step's
+    later collectives (under the budget, the replicated layers' reduce-scatter and all-gather); killed here,
+    its partner on the other node is inside that very collective when it dies."""
+    import signal
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(link, method, die)
 
 
 def _report(out_dir: str, name: str, result: dict, survivors) -> None:
@@ -260,10 +281,11 @@ def delayed(counts, steps: int = 3) -> dict:
     return result
 
 
-def _engine_after_step_zero(timeout_s: float):
-    """A global-sharding engine whose every parameter is pulled on demand, after step 0 and a barrier."""
+def _engine_after_step_zero(timeout_s: float, odc: dict = GLOBAL):
+    """An engine with the cross_node options ``odc`` (global sharding, or a budget) whose every parameter is
+    pulled on demand, after step 0 and a barrier."""
     engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config(
-        "odc", odc={"timeout_s": timeout_s, **GLOBAL}, stage3_param_persistence_threshold=0))
+        "odc", odc={"timeout_s": timeout_s, **odc}, stage3_param_persistence_threshold=0))
     x, y, _ = micro_batch(0, tdist.get_rank(), 0)
     engine.backward(mse_mean(engine(x), y))
     engine.step()
@@ -288,29 +310,45 @@ def _destroyed(engine, result: dict) -> dict:
     return {**result, "shm": sorted(os.listdir(SHM)), "host": socket.gethostname()}
 
 
-def stalled(out_dir: str, victim: int = 3, timeout_s: float = 5.0) -> None:
-    """Rank ``victim`` stops (SIGSTOP, resumed 30 s later) before step 1's forward: the others' pulls from it
-    and their rounds wait ``timeout_s``, then every survivor raises naming it."""
-    import signal
-    import subprocess
-
+def stalled(out_dir: str, odc: dict = GLOBAL, where: str = "forward", victim: int = 3, timeout_s: float = 5.0) -> None:
+    """Rank ``victim`` stops (SIGSTOP, resumed 30 s later) before step 1's forward, or with ``where`` "sum" inside
+    the step as it enters its link's gradient sum (its partner on the other node is then inside that collective:
+    under the budget BudgetLink's reduce-scatter): the others' pulls from it, their rounds and that collective
+    wait ``timeout_s``, then every survivor raises naming it. ``odc``: as :func:`killed`."""
     rank = tdist.get_rank()
-    engine = _engine_after_step_zero(timeout_s)
-    if rank == victim:
-        subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {os.getpid()}"], start_new_session=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
+    engine = _engine_after_step_zero(timeout_s, odc)
+    if rank == victim and where == "sum":
+        link = _runtime(engine).link
+        summing = link.reduce_gradients
+
+        def stop_then_sum(*args, **kwargs):
+            _stop_for(30)
+            return summing(*args, **kwargs)
+
+        link.reduce_gradients = stop_then_sum
+    elif rank == victim:
+        _stop_for(30)
     result = _destroyed(engine, _step_one(engine))
     if rank != victim:
         _report(out_dir, "stalled", result, [r for r in range(tdist.get_world_size()) if r != victim])
     os._exit(0)
 
 
-def cut(out_dir: str, timeout_s: float = 5.0) -> None:
+def _stop_for(seconds: float) -> None:
+    """SIGSTOP this process; a detached shell resumes it ``seconds`` later (long after the others gave up)."""
+    import signal
+    import subprocess
+
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def cut(out_dir: str, odc: dict = GLOBAL, timeout_s: float = 5.0) -> None:
     """After step 0, every rank says so (``ready_rank<r>``) and waits for the test to cut the link between the
     nodes (``cut`` file); then step 1: every rank raises within a bound, naming a rank of the other node or the
-    unreachable store, and leaves its /dev/shm empty."""
+    unreachable store, and leaves its /dev/shm empty. ``odc``: as :func:`killed`."""
     rank = tdist.get_rank()
-    engine = _engine_after_step_zero(timeout_s)
+    engine = _engine_after_step_zero(timeout_s, odc)
     open(os.path.join(out_dir, f"ready_rank{rank}"), "w").close()
     end = time.monotonic() + 60
     while not os.path.exists(os.path.join(out_dir, "cut")) and time.monotonic() < end:

@@ -158,6 +158,11 @@ CASES.update({
     "budget_uneven_unmanaged": ("train_uneven", lambda: ("odc", "unmanaged", UNEVEN["uneven_unmanaged"], 3, (), 2,
                                                          None, BUDGET)),
 })
+#: the failure cases of test_two_hosts_global.py, a launch each: "<mode>_kill_<where>", "<mode>_stalled",
+#: "<mode>_cut" under global sharding and under the budget (whose step also runs BudgetLink's collectives)
+FAILURE_ODC = {"global": GLOBAL, "budget": BUDGET}
+FAILURE_CASES = tuple(f"{mode}_{case}" for mode in FAILURE_ODC for case in (
+    "kill_forward", "kill_backward", "kill_step", "kill_sum", "kill_gather", "stalled", "stalled_sum", "cut"))
 #: micro-batches per rank (ranks 0-1 on node 0, 2-3 on node 1); a managed rank must run at least one
 UNEVEN = {"uneven_unmanaged": (1, 3, 0, 2), "uneven_managed": (1, 3, 2, 1), "uneven_token": (2, 1, 3, 0)}
 MASKED = ((0, 1), (2, 0))  # (rank, micro-batch) carrying no loss token
@@ -222,10 +227,8 @@ def cases(names, out_dir):
         elif name == "global_bitwise":
             result = {**global_workloads.bitwise(UNEVEN["uneven_unmanaged"]),
                       "budget": budget_workloads.bits(UNEVEN["uneven_unmanaged"])}
-        elif name.startswith("global_kill_"):
-            global_workloads.killed(out_dir, 3, name[len("global_kill_"):])  # ends the process
-        elif name in ("global_stalled", "global_cut"):
-            getattr(global_workloads, name[len("global_"):])(out_dir)  # ends the process
+        elif name in FAILURE_CASES:
+            failure_case(name, out_dir)  # ends the process
         elif name.startswith(("global_ckpt:", "budget_ckpt:")):  # saved and loaded back, in the same job
             ckpt_dir = name.split(":", 1)[1]
             options = GLOBAL if name.startswith("global") else BUDGET
@@ -243,6 +246,21 @@ def cases(names, out_dir):
         print(f"two-hosts case {name} done on rank {rank}", flush=True)
     tdist.barrier()
     tdist.destroy_process_group()
+
+
+def failure_case(name, out_dir):
+    """Run the failure case ``name`` of :data:`FAILURE_CASES` (global_workloads.killed / stalled / cut with its
+    mode's odc options); ends the process."""
+    from tests.support import global_workloads
+
+    mode, case = name.split("_", 1)
+    odc = FAILURE_ODC[mode]
+    if case.startswith("kill_"):
+        global_workloads.killed(out_dir, 3, case[len("kill_"):], odc)
+    elif case == "stalled_sum":
+        global_workloads.stalled(out_dir, odc, "sum")
+    else:
+        getattr(global_workloads, case)(out_dir, odc)
 
 
 def memory_per_rank():
