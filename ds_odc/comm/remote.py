@@ -148,8 +148,8 @@ class RemoteWindows:
         except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
             record = self._posted_cause()
             if record is not None:
-                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} from rank {owner} on "
-                                   "another node", record) from err
+                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} (owner: rank {owner} on "
+                                   "another node)", record) from err
             if "Timed out" in str(err) or "timed out" in str(err):
                 raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for rank {owner} on another "
                                       f"node while {doing}: it is stuck or its node is unreachable "

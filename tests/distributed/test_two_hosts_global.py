@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not _ok, reason=f"cannot create two hosts (netwo
 def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
     out_dir = tmp_path_factory.mktemp("global_cases")
     names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",
-                     f"budget_ckpt:{tmp_path_factory.mktemp('budget_ckpt')}")
+                     f"budget_ckpt:{tmp_path_factory.mktemp('budget_ckpt')}",
+                     "global_sp_refusal")  # last: its SP mpu stays registered for every later engine
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
               "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(names),
@@ -218,9 +219,15 @@ def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):
         error, message = result["offload_states"]
         assert error == "ODCConfigError" and "cross_node='global'" in message, (rank, message)
         assert result["phase"] == "idle"
-        error, message = result["offload_param"]
-        assert error == "ODCConfigError" and "offload_param" in message and "cross_node='global'" in message, message
-        assert result["shm"] == [], result
+        sp = cases["global_sp_refusal"][rank]
+        for what, words, outcome in (("offload_param", "offload_param", result),
+                                     ("offload_optimizer", "offload_optimizer", result),
+                                     ("split", "lb-mini-split", result),
+                                     ("sequence_parallel", "sequence parallelism", sp)):
+            assert outcome[what] is not None, (what, "was not refused")
+            error, message = outcome[what]
+            assert error == "ODCConfigError" and words in message and "cross_node='global'" in message, message
+        assert result["shm"] == [] and sp["shm"] == [], (result, sp)
 
 
 #: the failure cases run under global sharding and under the budget (budget_workloads.BUDGET: every layer but

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Optional
 
 import deepspeed
 import torch
@@ -124,8 +125,21 @@ def _allocated(stage, odc) -> dict:
     return result
 
 
+def _refused(initialize) -> Optional[tuple]:
+    """The error an ``initialize()`` that must be refused raised, as (type name, text); None if it was not."""
+    try:
+        engine, *_ = initialize()
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        return type(err).__name__, str(err)
+    engine.destroy()
+    return None
+
+
 def refusals() -> dict:
-    """What is not supported with global sharding yet is refused by name on every rank, and the engine goes on."""
+    """What is not supported with global sharding yet is refused by name on every rank, and the engine goes on:
+    ``offload_states()`` on a live engine; at initialize, before any window exists, ``offload_param``,
+    ``offload_optimizer`` and the split balance policy (a fixed SP mpu: :func:`sp_refusal`)."""
+    from tests.support import sp_workloads, split_workloads
     from tests.support.offload_states_workloads import _config
 
     engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", odc=GLOBAL))
@@ -142,14 +156,25 @@ def refusals() -> dict:
     engine.step()
     result["phase"] = engine.odc_phase.value
     engine.destroy()
-    try:  # refused at initialize, before any window exists
-        deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=GLOBAL,
-                                                                  offload_param={"device": "cpu"}))
-        result["offload_param"] = None
-    except Exception as err:  # noqa: BLE001 - the error is the result
-        result["offload_param"] = (type(err).__name__, str(err))
+    for offload in ("offload_param", "offload_optimizer"):
+        result[offload] = _refused(lambda offload=offload: deepspeed.initialize(model=make_model(), config=ds_config(
+            "odc", odc=GLOBAL, **{offload: {"device": "cpu"}})))
+    split = split_workloads.ds_config()
+    split["zero_optimization"]["odc"].update(GLOBAL)
+    model = sp_workloads.tiny_llama()
+    result["split"] = _refused(lambda: deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                            config=split))
     result["shm"] = sorted(os.listdir(SHM))
     return result
+
+
+def sp_refusal() -> dict:
+    """A fixed SP mpu with global sharding is refused at initialize on every rank. Last in its process: the mpu's
+    sequence-parallel groups stay registered in DeepSpeed, so every engine made after it would run as SP."""
+    from tests.support import sp_workloads
+
+    return {"sequence_parallel": _refused(lambda: sp_workloads.sp_engine("odc", odc=GLOBAL)),
+            "shm": sorted(os.listdir(SHM))}
 
 
 def frozen(counts, stage, options=None) -> dict:

@@ -237,7 +237,7 @@ def cases(names, out_dir):
                                                                        odc=options)}
         elif name == "global_delayed":
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
-        elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto"):
+        elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto", "global_sp_refusal"):
             result = getattr(global_workloads, name[len("global_"):])()
         else:
             workload, args = CASES[name]

@@ -162,3 +162,16 @@ def test_the_projection_script_prints_its_tables(capsys):
     assert "| replicate (today) | 6P/R + 12P/W | 147.8 | 98.6 | 73.9 | 61.6 |" in text
     assert "| T* global (tokens) | 4,000 | 6,000 | 7,000 |" in text
     assert text in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["global", "budget", "auto"])
+def test_modes_with_owners_on_other_nodes_are_refused_on_gpus_before_anything_is_made(mode):
+    """On GPUs pulls and pushes across nodes need the NVSHMEM transport, a GPU-kit item: refused by name at the
+    session's start, before any group, window or transport exists (no process group is needed to see it)."""
+    import torch
+
+    from ds_odc.runtime.session import SessionPlan, open_session
+
+    plan = SessionPlan((), (), torch.bfloat16, "cuda:0", 1, 5.0, cross_node=mode)
+    with pytest.raises(ODCConfigError, match=f"cross_node='{mode}' runs on CPU hosts for now.*NVSHMEM"):
+        open_session(plan)
