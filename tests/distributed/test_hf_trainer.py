@@ -51,6 +51,9 @@ def test_losses_and_saved_weights_equal_a_zero3_run_on_the_same_data(runs):
     assert zero3["engine"] == "DeepSpeedEngine" and sorted(odc["losses"]) == sorted(zero3["losses"]) == [1, 2, 3, 4]
     for step, loss in zero3["losses"].items():
         assert odc["losses"][step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+    assert sorted(odc["grad_norms"]) == sorted(zero3["grad_norms"]) == [1, 2, 3, 4]  # what shows a gradient's scale
+    for step, norm in zero3["grad_norms"].items():
+        assert odc["grad_norms"][step] == pytest.approx(norm, rel=1e-5), step
     assert odc["final"].keys() == zero3["final"].keys()
     # Gradients agree to fp32 rounding (the sums run in a different order); Adam turns that into at most a
     # few 1e-6 on elements whose gradient is near zero, against updates of ~1e-2 over these 4 steps.

@@ -88,8 +88,10 @@ def test_the_trainer_balance_block_with_the_split_policy_equals_one_process(tmp_
     assert {r["engine"] for r in odc} == {"ODCEngine"}
     assert sum(c["split"] for c in odc[0]["counts"]) > 0 and sum(c["whole"] for r in odc for c in r["counts"]) > 0
     assert [c["split"] for c in odc[0]["counts"]] == [c["split"] for c in odc[1]["counts"]]  # members: the same
+    assert sorted(single["grad_norms"]) == [1, 2, 3]
     for rank in range(2):
         assert odc[rank]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+        assert odc[rank]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)  # the gradient's scale
         for step, params in single["weights"].items():
             for name, tensor in params.items():
                 torch.testing.assert_close(odc[rank]["weights"][step][name], tensor, rtol=1e-4, atol=2e-5,

@@ -61,16 +61,20 @@ def _gathered_state_dict(model) -> dict:
 
 
 def loss_recorder():
-    """A Trainer callback keeping the logged loss of every step (``.losses``: step -> loss)."""
+    """A Trainer callback keeping the logged loss of every step (``.losses``: step -> loss) and the gradient norm
+    the Trainer logs before clipping (``.grad_norms``): under AdamW and clipping a gradient off by a factor gives
+    the same update, so weights and losses alone would not show it; the norm does."""
     from transformers import TrainerCallback
 
     class RecordLosses(TrainerCallback):
         def __init__(self):
-            self.losses = {}
+            self.losses, self.grad_norms = {}, {}
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.losses[state.global_step] = logs["loss"]
+            if logs and "grad_norm" in logs:
+                self.grad_norms[state.global_step] = float(logs["grad_norm"])
 
     return RecordLosses()
 
@@ -114,7 +118,8 @@ def trainer_story(stage, output_dir: str, max_steps: int = 4, resume_from: str |
     return {"engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__,
             "stage": engine.zero_optimization_stage(), "zero3_enabled": zero3, "plugin_stage": plugin_stage,
             "partitioned_at_init": partitioned, "world": deepspeed.comm.get_world_size(),
-            "losses": recorder.losses, "initial": initial, "eval_before": eval_before, "eval_after": eval_after,
+            "losses": recorder.losses, "grad_norms": recorder.grad_norms, "initial": initial,
+            "eval_before": eval_before, "eval_after": eval_after,
             "final": _full_state_dict(os.path.join(output_dir, "final"))}
 
 

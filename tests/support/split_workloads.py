@@ -246,7 +246,7 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2, va
     )
 
     distributed = stage is not None
-    weights, losses, counts, current = {}, {}, [], {"whole": 0, "split": 0}
+    weights, losses, grad_norms, counts, current = {}, {}, {}, [], {"whole": 0, "split": 0}
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -257,6 +257,8 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2, va
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses[state.global_step] = logs["loss"]
+            if logs and "grad_norm" in logs:  # before clipping: a gradient off by a factor shows here, not in AdamW
+                grad_norms[state.global_step] = float(logs["grad_norm"])
 
     args = TrainingArguments(
         output_dir=output_dir, deepspeed=balance_ds_config(stage, SPLIT_BALANCE) if distributed else None,
@@ -291,8 +293,8 @@ def split_trainer_run(stage, output_dir: str, steps: int = 3, world: int = 2, va
         if variant is None:
             raise
         error = f"{type(err).__name__}: {err}"
-    return {"weights": weights, "losses": losses, "counts": counts, "engine": type(trainer.model_wrapped).__name__,
-            "error": error}
+    return {"weights": weights, "losses": losses, "grad_norms": grad_norms, "counts": counts,
+            "engine": type(trainer.model_wrapped).__name__, "error": error}
 
 
 def refused_heads() -> str:
