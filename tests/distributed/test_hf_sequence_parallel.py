@@ -22,6 +22,8 @@ def test_the_balance_block_with_sp_groups_at_different_counts_matches_zero3_with
     assert counts[0] != counts[2], counts  # the groups: different counts (5 and 3 in a step)
     for rank in range(4):
         assert odc[rank]["losses"] == pytest.approx(zero3[rank]["losses"], rel=1e-6)
+        assert zero3[rank]["grad_norms"] and odc[rank]["grad_norms"] == pytest.approx(zero3[rank]["grad_norms"],
+                                                                                      rel=1e-5)  # the scale
         worst = max(float((odc[rank]["final"][n] - zero3[rank]["final"][n]).abs().max()) for n in zero3[rank]["final"])
         assert worst <= 1e-5, (rank, worst)
 

@@ -102,7 +102,8 @@ def sp_trainer_run(stage, token_cap: int = 0, max_steps: int = 3, packed: bool =
     except Exception as err:  # noqa: BLE001 - the refusal test reads it
         return {"error": f"{type(err).__name__}: {err}"}
     engine = trainer.model_wrapped
-    return {"engine": type(engine).__name__, "losses": recorder.losses, "forwards": forwards,
+    return {"engine": type(engine).__name__, "losses": recorder.losses, "grad_norms": recorder.grad_norms,
+            "forwards": forwards,
             "final": _gathered_state_dict(model)}
 
 
