@@ -1,7 +1,7 @@
 """Bit for bit on request: with ``odc.deterministic`` (or ``torch.use_deterministic_algorithms(True)``) two runs
-of one job give identical losses and parameters at every step, although ranks run uneven micro-batch counts
-(zero included) and are delayed at random differently in each run, so that pushes reach their owners in other
-orders. Exact sums are still the step one process takes (docs/normalisation.md)."""
+of one job give identical losses, summed gradients and parameters at every step, although ranks run uneven
+micro-batch counts (zero included) and start each step in reversed orders in the two runs, so that pushes reach
+their owners in other orders. Exact sums are still the step one process takes (docs/normalisation.md)."""
 import pytest
 import torch
 
@@ -16,13 +16,15 @@ FP32_TOL = 1e-5
 
 
 def test_without_exact_sums_the_same_two_runs_differ():
-    """The control: the delays reorder pushes enough that fp32 accumulators (the default) sum them in another
-    order in the second run, so the runs differ in some bits; without it the test below could not fail."""
+    """The control: the reversed start order sends pushes in another order, so fp32 accumulators (the default) sum
+    them in another order in the second run, and each step's summed gradients differ in some bits; without it the
+    test below could not fail. The gradients, not the parameters, are compared: an update far below a parameter's
+    last bit leaves it unchanged, and the parameters alone once hid every difference."""
     first, second = run_ranks(deterministic.train_twice, 4, COUNTS, 3, "fp32", MASKED, timeout=240)[0]
     assert not first["exact"]
-    differ = [step for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True))
-              if not all(torch.equal(a[name], b[name]) for name in a)]
-    assert differ or first["losses"] != second["losses"], "two fp32 runs with other delays gave the same bits"
+    same = [step for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True))
+            if all(torch.equal(a[name], b[name]) for name in a)]
+    assert not same, f"two fp32 runs summed pushes in other orders and got the same gradient bits at steps {same}"
 
 
 @pytest.mark.parametrize("via", ["config", "torch"])
@@ -32,6 +34,8 @@ def test_two_runs_with_ranks_delayed_differently_are_identical_bit_for_bit(via):
     for rank, (first, second) in enumerate(runs):
         assert first["exact"] and second["exact"], rank
         assert first["losses"] == second["losses"], rank
+        for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True)):
+            assert all(torch.equal(a[name], b[name]) for name in a), ("gradients", via, rank, step)
         for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), (via, rank, step)
+            assert all(torch.equal(a[name], b[name]) for name in a), ("parameters", via, rank, step)
         assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank

@@ -1,6 +1,8 @@
 """Rank-side workloads for deterministic accumulation (``odc.deterministic``, or
-``torch.use_deterministic_algorithms(True)``): the same job twice, ranks delayed at random differently in each
-run so that pushes reach their owners in other orders; the runs must agree bit for bit."""
+``torch.use_deterministic_algorithms(True)``): the same job twice, the ranks starting each step in one order in
+the first run and in the reverse order in the second (plus a random jitter per micro-batch), so that pushes reach
+their owners in other orders; the runs must agree bit for bit. The order is forced, not left to random sleeps:
+with sleeps alone two fp32 runs once summed in the same order and the control saw the same bits."""
 from __future__ import annotations
 
 import random
@@ -9,6 +11,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as tdist
+from deepspeed.utils import safe_get_full_grad
 
 from tests.support.workloads import (
     REFERENCE_CLIP,
@@ -20,12 +23,18 @@ from tests.support.workloads import (
     mse_token_sum,
 )
 
+STAGGER_S = 0.25  # between ranks' starts of a step: far above a micro-batch of the test model on CI's 2 cores
 
-def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_delay_s: float = 0.03) -> dict:
+
+def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_delay_s: float = 0.01,
+               rank_order=None) -> dict:
     """Ranks run ``counts[rank]`` micro-batches per step (per-token loss, unmanaged accumulation), each
-    micro-batch after a random sleep drawn from ``delay_seed``. ``via``: "config" (``odc.deterministic``),
+    micro-batch after a random sleep drawn from ``delay_seed``; the rank at position k of ``rank_order`` starts
+    each step ``k * STAGGER_S`` after the first. ``via``: "config" (``odc.deterministic``),
     "torch" (``torch.use_deterministic_algorithms(True)`` at initialize), or "fp32" (the default accumulator).
-    Returns every micro-batch's loss and the parameters after every step."""
+    Returns every micro-batch's loss, the summed gradients each step reads (``safe_get_full_grad`` before the
+    step: parameters alone hide most differences in the sums' last bits, as an update ``lr * g`` far below a
+    parameter's own last bit leaves it unchanged) and the parameters after every step."""
     rank = tdist.get_rank()
     odc = {"deterministic": True} if via == "config" else {}
     config = ds_config("odc", managed=False, optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, odc=odc)
@@ -36,21 +45,27 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
     finally:
         torch.use_deterministic_algorithms(before)
     delays = random.Random(1000 * delay_seed + rank)
-    losses, history = [], []
+    losses, history, grads = [], [], []
+    start_delay = STAGGER_S * list(rank_order).index(rank) if rank_order is not None else 0.0
     for step in range(steps):
+        time.sleep(start_delay)
         for index in range(counts[rank]):
             time.sleep(delays.uniform(0.0, max_delay_s))
             x, y, mask = micro_batch(step, rank, index, masked_out=(rank, index) in masked)
             loss = mse_token_sum(engine(x), y, mask)
             engine.backward(loss, loss_tokens=int(mask.sum().item()))
             losses.append(float(loss.item()))
+        grads.append({name: safe_get_full_grad(param).clone() for name, param in engine.module.named_parameters()
+                      if param.requires_grad})
         engine.step()
         history.append(full_params(engine))
     exact = engine.odc_runtime.exact
     engine.destroy()
-    return {"losses": losses, "params": history, "exact": exact}
+    return {"losses": losses, "params": history, "grads": grads, "exact": exact}
 
 
 def train_twice(counts, steps: int = 3, via: str = "config", masked=()) -> list:
-    """:func:`train_once` with two different delay seeds."""
-    return [train_once(counts, steps, seed, via, masked) for seed in (1, 2)]
+    """:func:`train_once` twice: ranks in ascending order of start, then descending, other delay seeds."""
+    ascending = list(range(tdist.get_world_size()))
+    return [train_once(counts, steps, seed, via, masked, rank_order=order)
+            for seed, order in ((1, ascending), (2, ascending[::-1]))]
