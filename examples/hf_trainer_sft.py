@@ -68,11 +68,13 @@ def pad_collate(rows: list) -> dict:
 
 
 class PrintLoss(TrainerCallback):
-    """One plain line per logged step (rank 0), next to the Trainer's progress bar."""
+    """One plain line per logged step (rank 0), next to the Trainer's progress bar: the loss, and the gradient
+    norm the Trainer logs before clipping (the first number that shows a wrongly scaled gradient)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
-            print(f"step {state.global_step}/{state.max_steps} | loss {logs['loss']:.4f}", flush=True)
+            norm = f" | grad norm {logs['grad_norm']:.4f}" if logs.get("grad_norm") is not None else ""
+            print(f"step {state.global_step}/{state.max_steps} | loss {logs['loss']:.4f}{norm}", flush=True)
 
 
 def main():

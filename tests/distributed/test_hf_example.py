@@ -1,5 +1,6 @@
 """examples/hf_trainer_sft.py (HF Trainer SFT on a tiny Llama) runs end to end on 2 CPU ranks."""
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ def test_hf_trainer_sft_example_trains_on_odc_under_torchrun(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "engine: ODCEngine, zero stage 3, 2 ranks" in output, output[-3000:]
-    losses = [float(line.split("| loss")[1]) for line in output.splitlines() if line.startswith("step ")]
-    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses), output[-3000:]
+    logged = [tuple(map(float, match))
+              for match in re.findall(r"step \d+/4 \| loss ([\d.]+) \| grad norm ([\d.]+)", output)]
+    assert len(logged) == 4 and all(0 < loss < 10 and 0 < norm < 1e3 for loss, norm in logged), output[-3000:]
     assert os.path.getsize(tmp_path / "model.safetensors") > 100_000, "save_model wrote no full weights"

@@ -97,9 +97,6 @@ def _check_training(results, files, engine="DeepSpeedEngine"):
     return ranks
 
 
-_zero3_losses = {}
-
-
 def test_each_host_has_its_own_hostname_and_dev_shm(hosts, tmp_path):
     procs = hosts.start_on_both([[sys.executable, SCRIPT, "isolation", str(tmp_path)]] * 2)
     listed = [tmp_path / f"listed_node{i}.json" for i in range(2)]
@@ -127,29 +124,33 @@ def test_each_host_has_its_own_hostname_and_dev_shm(hosts, tmp_path):
     assert reports[0]["shm_dev"] != reports[1]["shm_dev"]
 
 
-def test_torchrun_across_two_hosts_trains_zero3(hosts, tmp_path):
-    results, files = _launch(hosts, "torchrun", 3, tmp_path / "out")
-    ranks = _check_training(results, files)
-    _zero3_losses["torchrun"] = ranks[0]["mean_losses"]
+@pytest.fixture(scope="module")
+def zero3_launches(hosts, tmp_path_factory):
+    """ZeRO-3's run of the training script under each launcher, made once for the module: the launcher tests
+    check them, and the odc test compares its losses with them whichever tests are selected."""
+    return {launcher: _launch(hosts, launcher, 3, tmp_path_factory.mktemp(f"zero3_{launcher}") / "out")
+            for launcher in ("torchrun", "deepspeed")}
 
 
-def test_deepspeed_launcher_no_ssh_across_two_hosts_trains_zero3(hosts, tmp_path):
-    results, files = _launch(hosts, "deepspeed", 3, tmp_path / "out")
-    ranks = _check_training(results, files)
-    _zero3_losses["deepspeed"] = ranks[0]["mean_losses"]
-    if "torchrun" in _zero3_losses:  # the same job, whichever launcher started it
-        assert ranks[0]["mean_losses"] == pytest.approx(_zero3_losses["torchrun"], rel=1e-6)
+def test_torchrun_across_two_hosts_trains_zero3(zero3_launches):
+    _check_training(*zero3_launches["torchrun"])
 
 
-def test_odc_trains_across_two_hosts_with_both_launchers_as_zero3_does(hosts, tmp_path):
+def test_deepspeed_launcher_no_ssh_across_two_hosts_trains_zero3(zero3_launches):
+    ranks = _check_training(*zero3_launches["deepspeed"])
+    torchrun = _check_training(*zero3_launches["torchrun"])  # the same job, whichever launcher started it
+    assert ranks[0]["mean_losses"] == pytest.approx(torchrun[0]["mean_losses"], rel=1e-6)
+
+
+def test_odc_trains_across_two_hosts_with_both_launchers_as_zero3_does(hosts, zero3_launches, tmp_path):
     """The same script with ``"stage": "odc"``: every rank runs an ODCEngine, the 4 ranks agree, and
-    the losses are ZeRO-3's (its run above, same data and config)."""
+    the losses are ZeRO-3's (its run under the same launcher, same data and config)."""
     for launcher in ("torchrun", "deepspeed"):
+        zero3 = _check_training(*zero3_launches[launcher])
         results, files = _launch(hosts, launcher, "odc", tmp_path / launcher)
         ranks = _check_training(results, files, engine="ODCEngine")
         assert all(rank["shm_after"] == [] for rank in ranks), [rank["shm_after"] for rank in ranks]
-        if launcher in _zero3_losses:
-            assert ranks[0]["mean_losses"] == pytest.approx(_zero3_losses[launcher], rel=1e-6), launcher
+        assert ranks[0]["mean_losses"] == pytest.approx(zero3[0]["mean_losses"], rel=1e-6), launcher
 
 
 # -- the odc stage on 2 nodes x 2 ranks: what single-node tests check, between two real hosts -----------
@@ -226,15 +227,17 @@ def test_offload_states_across_nodes_keeps_training_bit_identical(cases):
 
 
 def test_deterministic_sums_repeat_bit_for_bit_across_nodes(cases):
-    """odc.deterministic on 2x2 ranks, uneven counts (zero included), ranks delayed at random differently in two
-    runs: the same losses and parameters bit for bit (the fine and coarse regions are each reduced exactly across
-    nodes, then folded), and the single-process step."""
+    """odc.deterministic on 2x2 ranks, uneven counts (zero included), ranks starting each step in reversed orders
+    in two runs: the same losses, summed gradients and parameters bit for bit (the fine and coarse regions are
+    each reduced exactly across nodes, then folded), and the single-process step."""
     counts = UNEVEN["uneven_token"]
     expected = reference_training("token", counts, masked=MASKED)
     for rank, (first, second) in enumerate(cases["deterministic"]):
         assert first["exact"] and first["losses"] == second["losses"], rank
+        for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True)):
+            assert all(torch.equal(a[name], b[name]) for name in a), ("gradients", rank, step)
         for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), (rank, step)
+            assert all(torch.equal(a[name], b[name]) for name in a), ("parameters", rank, step)
         assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank
 
 
@@ -349,8 +352,8 @@ def test_a_dev_shm_too_small_on_one_node_fails_every_rank_of_both_nodes_with_tha
 
 def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):
     """The unmodified Trainer example under torchrun on both hosts, with its "odc" config and with the
-    same config at "stage": 3: an ODCEngine on 4 ranks, the same logged losses and eval loss, and
-    save_model's full weights."""
+    same config at "stage": 3: an ODCEngine on 4 ranks, the same logged losses, gradient norms and eval loss,
+    and save_model's full weights."""
     with open(os.path.join("examples", "ds_config_hf_odc.json")) as f:
         config = json.load(f)
     runs = {}
@@ -372,11 +375,15 @@ def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):
         output = results[0].output  # rank 0's lines (the progress bar may share their line)
         summary = re.findall(r"engine: \w+, zero stage 3, \d+ ranks", output)
         assert summary, logs
-        losses = [float(x) for x in re.findall(r"step \d+/4 \| loss ([\d.]+)", output)]
-        runs[stage] = (summary[0], losses, float(re.findall(r"\| eval loss ([\d.]+)", output)[0]))
+        logged = re.findall(r"step \d+/4 \| loss ([\d.]+) \| grad norm ([\d.]+)", output)
+        losses, norms = [float(loss) for loss, _ in logged], [float(norm) for _, norm in logged]
+        runs[stage] = (summary[0], losses, float(re.findall(r"\| eval loss ([\d.]+)", output)[0]), norms)
         assert os.path.getsize(run_dir / "out" / "model.safetensors") > 100_000
     odc, zero3 = runs["odc"], runs[3]
     assert odc[0] == "engine: ODCEngine, zero stage 3, 4 ranks", odc
     assert zero3[0] == "engine: DeepSpeedEngine, zero stage 3, 4 ranks", zero3
     assert len(odc[1]) == 4 and odc[1] == pytest.approx(zero3[1], abs=2e-4), (odc, zero3)  # printed to 4 decimals
     assert odc[2] == pytest.approx(zero3[2], abs=2e-4), (odc, zero3)
+    # the gradient norm the Trainer logs before clipping: under AdamW with clipping, losses and weights alone
+    # cannot show a gradient off by a factor
+    assert len(odc[3]) == 4 and odc[3] == pytest.approx(zero3[3], rel=1e-3, abs=2e-4), (odc, zero3)
