@@ -3,7 +3,7 @@ import pytest
 
 from ds_odc.integration.surface import has
 from ds_odc.integration.surface_table import TORCH_STYLE_BACKWARD
-from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, worst_rel_diff
 from tests.support.harness import run_ranks
 from tests.support.workloads import train_pair
 
@@ -113,3 +113,6 @@ def test_bf16_parity_within_zero3_self_difference():
         assert bf16_vs_exact <= 2 * zero3_self, (step, bf16_vs_exact, zero3_self)
         bf16_vs_zero3 = worst_rel_diff(odc_bf16["params"][step], zero3["params"][step])
         assert bf16_vs_zero3 <= zero3_self, (step, bf16_vs_zero3, zero3_self)
+    # the summed gradients too: under Adam with clipping, parameters cannot show a gradient off by a constant factor
+    beyond = bf16_excess({"odc": odc, "odc bf16 accumulators": odc_bf16}, zero3, zero3_fp32, "grads", BF16_GRAD_SLACK)
+    assert not beyond, beyond

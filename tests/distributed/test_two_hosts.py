@@ -27,7 +27,7 @@ from tests.support.checkpoint_workloads import (
     to_universal,
     train_and_save,
 )
-from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, worst_rel_diff
 from tests.support.harness import run_ranks
 from tests.support.netns import available, two_hosts
 from tests.support.two_host_workloads import MASKED, UNEVEN
@@ -214,6 +214,8 @@ def test_odc_bf16_on_2x2_within_zero3_bf16_self_difference(cases):
         assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(odc_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(odc["params"][step], zero3_fp32["params"][step]) <= 2 * zero3_self, step
+    beyond = bf16_excess({"odc": odc, "odc bf16 accumulators": odc_bf16}, zero3, zero3_fp32, "grads", BF16_GRAD_SLACK)
+    assert not beyond, beyond  # the summed gradients: parameters under Adam with clipping hide a gradient's scale
 
 
 def test_offload_states_across_nodes_keeps_training_bit_identical(cases):
@@ -222,8 +224,9 @@ def test_offload_states_across_nodes_keeps_training_bit_identical(cases):
     for rank, result in enumerate(cases["offload_states"]):
         plain, offloaded = result["plain"], result["offloaded"]
         assert offloaded["losses"] == plain["losses"], f"rank {rank}"
-        for step, (a, b) in enumerate(zip(plain["params"], offloaded["params"])):
-            assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} step {step}"
+        for kind in ("grads", "params"):  # the summed gradients too: parameters hide a sum's last bits
+            for step, (a, b) in enumerate(zip(plain[kind], offloaded[kind], strict=True)):
+                assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} step {step}: {kind}"
 
 
 def test_deterministic_sums_repeat_bit_for_bit_across_nodes(cases):

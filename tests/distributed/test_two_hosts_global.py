@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed.test_two_hosts import BIN, SCRIPT, TRAIN_TIMEOUT_S, _logs, _ports, hosts  # noqa: F401
-from tests.support.compare import max_rel_diff, worst_rel_diff
+from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, worst_rel_diff
 from tests.support.netns import available
 from tests.support.two_host_workloads import MASKED, UNEVEN
 from tests.support.workloads import reference_training
@@ -81,6 +81,9 @@ def test_global_sharding_bf16_within_zero3_bf16_self_difference(cases):
         assert worst_rel_diff(odc["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(odc_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
         assert worst_rel_diff(budget_bf16["params"][step], zero3["params"][step]) <= zero3_self, step
+    beyond = bf16_excess({"global": odc, "global bf16 accumulators": odc_bf16, "budget bf16 accumulators": budget_bf16},
+                         zero3, zero3_fp32, "grads", BF16_GRAD_SLACK)
+    assert not beyond, beyond  # the summed gradients: parameters under Adam with clipping hide a gradient's scale
 
 
 @pytest.mark.parametrize("case", ("global_uneven_unmanaged", "global_uneven_managed", "global_uneven_token"))
@@ -120,12 +123,24 @@ def test_no_pull_sees_an_owner_mid_update_and_no_update_precedes_a_push_sent_to_
 def test_global_budget_and_replicate_give_the_same_bits_under_deterministic_sums(cases):
     """odc.deterministic sums in an order-free way, so the three layouts, whose pushes arrive in different orders
     and are summed in different places (a node's accumulator then a reduce-scatter, or the owner's directly, or
-    per layer one or the other), must produce the same parameters bit for bit, uneven counts included."""
+    per layer one or the other), must produce the same summed gradients at every step and the same parameters
+    bit for bit, uneven counts included. The control: replicate and global with fp32 accumulators sum in other
+    orders and places, and their gradients differ in some bits (parameters alone would hide it: an update far
+    below a parameter's last bit leaves it unchanged)."""
+    def same(a: dict, b: dict) -> bool:
+        assert a.keys() == b.keys(), (sorted(a), sorted(b))
+        return all(torch.equal(a[name], b[name]) for name in a)
+
     for rank, result in enumerate(cases["global_bitwise"]):
         replicate = result["replicate"]
-        for other in (result["global"], result["budget"]):
-            assert set(replicate) == set(other)
-            assert all(torch.equal(replicate[name], other[name]) for name in replicate), rank
+        for layout in ("global", "budget"):
+            other = result[layout]
+            assert len(other["grads"]) == len(replicate["grads"]) == 3, rank
+            for step, (a, b) in enumerate(zip(replicate["grads"], other["grads"], strict=True)):
+                assert same(a, b), ("gradients", layout, rank, step)
+            assert same(replicate["params"], other["params"]), ("parameters", layout, rank)
+        plain, spread = result["replicate_fp32"]["grads"], result["global_fp32"]["grads"]
+        assert not all(same(a, b) for a, b in zip(plain, spread, strict=True)), rank
 
 
 def test_global_sharding_runs_no_collective_in_forward_or_backward(cases):

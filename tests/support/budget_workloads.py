@@ -3,7 +3,6 @@ replicated per node, the rest global), inside two_host_workloads.py's ``cases`` 
 from __future__ import annotations
 
 import deepspeed
-import torch
 import torch.distributed as tdist
 
 from tests.support.global_workloads import _runtime, record_calls, remote_elements
@@ -71,8 +70,10 @@ def shape() -> dict:
     return result
 
 
-def bits(counts, steps=3) -> torch.Tensor:
+def bits(counts, steps=3) -> dict:
     """Deterministic sums under the budget (some layers summed by the link, the rest at their owners)."""
     from tests.support.workloads import train_uneven
 
-    return train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True, **BUDGET})["params"]
+    run = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True, **BUDGET},
+                       record_grads=True)
+    return {"params": run["params"], "grads": run["grads"]}

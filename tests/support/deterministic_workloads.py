@@ -11,7 +11,6 @@ import time
 import deepspeed
 import torch
 import torch.distributed as tdist
-from deepspeed.utils import safe_get_full_grad
 
 from tests.support.workloads import (
     REFERENCE_CLIP,
@@ -21,6 +20,7 @@ from tests.support.workloads import (
     make_model,
     micro_batch,
     mse_token_sum,
+    summed_grads,
 )
 
 STAGGER_S = 0.25  # between ranks' starts of a step: far above a micro-batch of the test model on CI's 2 cores
@@ -32,9 +32,8 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
     micro-batch after a random sleep drawn from ``delay_seed``; the rank at position k of ``rank_order`` starts
     each step ``k * STAGGER_S`` after the first. ``via``: "config" (``odc.deterministic``),
     "torch" (``torch.use_deterministic_algorithms(True)`` at initialize), or "fp32" (the default accumulator).
-    Returns every micro-batch's loss, the summed gradients each step reads (``safe_get_full_grad`` before the
-    step: parameters alone hide most differences in the sums' last bits, as an update ``lr * g`` far below a
-    parameter's own last bit leaves it unchanged) and the parameters after every step."""
+    Returns every micro-batch's loss, the summed gradients each step reads (:func:`summed_grads`) and the
+    parameters after every step."""
     rank = tdist.get_rank()
     odc = {"deterministic": True} if via == "config" else {}
     config = ds_config("odc", managed=False, optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, odc=odc)
@@ -55,8 +54,7 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
             loss = mse_token_sum(engine(x), y, mask)
             engine.backward(loss, loss_tokens=int(mask.sum().item()))
             losses.append(float(loss.item()))
-        grads.append({name: safe_get_full_grad(param).clone() for name, param in engine.module.named_parameters()
-                      if param.requires_grad})
+        grads.append(summed_grads(engine))
         engine.step()
         history.append(full_params(engine))
     exact = engine.odc_runtime.exact

@@ -198,12 +198,17 @@ def frozen(counts, stage, options=None) -> dict:
 
 
 def bitwise(counts, steps=3) -> dict:
-    """Deterministic sums (order-free) under replicate and under global sharding: the same parameters."""
+    """Deterministic sums (order-free) under replicate and under global sharding: the same summed gradients at
+    every step and parameters; and both layouts with fp32 accumulators (``<layout>_fp32``), whose sums differ."""
     from tests.support.workloads import train_uneven
 
-    replicate = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True})
-    spread = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": True, **GLOBAL})
-    return {"replicate": replicate["params"], "global": spread["params"]}
+    runs = {}
+    for exact in (True, False):  # without deterministic sums: the control, the layouts' sums differ
+        for name, layout in (("replicate", {}), ("global", GLOBAL)):
+            run = train_uneven("odc", "unmanaged", counts, steps=steps, odc={"deterministic": exact, **layout},
+                               record_grads=True)
+            runs[name if exact else f"{name}_fp32"] = {"params": run["params"], "grads": run["grads"]}
+    return runs
 
 
 def killed(out_dir: str, victim: int, where: str, odc: dict = GLOBAL) -> None:
@@ -387,7 +392,8 @@ def auto() -> dict:
     """cross_node "auto" without a budget, with one too small for any layer, one that some layers fit (400 bytes:
     budget_workloads.BUDGET_BYTES) and a large one: what each resolved to (mode, the logged reason, whether owners
     on the other node are reached remotely), how many groups of every rank initialize made, and the parameters
-    after a step that trains."""
+    after a step that trains (SGD without clipping: a first Adam step is ``lr * sign(g)``, blind to a gradient's
+    scale)."""
     outcome = {}
     made = []
     new_group = tdist.new_group
@@ -401,7 +407,8 @@ def auto() -> dict:
         made.clear()
         tdist.new_group = counting_new_group
         try:
-            engine, *_ = deepspeed.initialize(model=make_model(), config=ds_config("odc", odc=options))
+            config = ds_config("odc", optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, odc=options)
+            engine, *_ = deepspeed.initialize(model=make_model(), config=config)
         finally:
             tdist.new_group = new_group
         outcome[f"{name}_world_groups"] = made.count(tdist.get_world_size())

@@ -149,7 +149,7 @@ def accelerate_accumulate_loop(stage, steps: int = 3, gas: int = 2) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     engine, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     rank, plugin_stage = accelerator.process_index, accelerator.state.deepspeed_plugin.zero_stage
-    losses = []
+    losses, norms = [], []  # norms: the pre-clip gradient norm of each step (Adam hides a gradient's scale)
     for index in range(steps * gas):
         gen = torch.Generator().manual_seed(100 * index + rank)
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
@@ -158,11 +158,13 @@ def accelerate_accumulate_loop(stage, steps: int = 3, gas: int = 2) -> dict:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if accelerator.sync_gradients:  # a boundary: the engine stepped
+                norms.append(float(engine.get_global_grad_norm()))
         losses.append(float(loss))
     params = list(_gathered_state_dict(engine.module).values())
     engine.destroy()
     return {"engine": type(engine).__name__, "plugin_stage": plugin_stage,
-            "losses": losses, "params": params}
+            "losses": losses, "params": params, "norms": norms}
 
 
 def accelerate_accumulate_both(steps: int = 3, gas: int = 2) -> dict:

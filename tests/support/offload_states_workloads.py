@@ -10,7 +10,15 @@ import torch
 import torch.distributed as tdist
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-from tests.support.workloads import ds_config, full_params, make_model, micro_batch, mse_mean, mse_token_sum
+from tests.support.workloads import (
+    ds_config,
+    full_params,
+    make_model,
+    micro_batch,
+    mse_mean,
+    mse_token_sum,
+    summed_grads,
+)
 
 #: DeepSpeed's Adam (FusedAdam: what ``offload_states`` of the optimizer's states requires).
 FUSED_ADAM = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0}}
@@ -47,7 +55,8 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
            transport):
     """``calls``: {step: include} of the steps before which offload_states(include)/reload_states run
     (after that step's first micro-batch when ``mid_accumulation``: the gradients pushed so far must
-    survive); include lists state names (None: every state)."""
+    survive); include lists state names (None: every state). Records the losses, the summed gradients each step
+    reads (before it: parameters alone hide a difference in a sum's last bits) and the parameters after it."""
     rank = tdist.get_rank()
     if transport is not None:  # a GPU suite's rank: its device selected before DeepSpeed places the engine
         from tests.support.transports import CASES
@@ -55,7 +64,7 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
         CASES[transport].device()
     engine, *_ = deepspeed.initialize(model=make_model(frozen=frozen),
                                       config=_config(stage, bf16=bf16, managed=False, odc=odc, **zero))
-    record = {"losses": [], "params": []}
+    record: dict = {"losses": [], "grads": [], "params": []}
     for step in range(steps):
         first = 0
         if step in calls and mid_accumulation and counts[rank] > 0:
@@ -65,6 +74,7 @@ def _train(stage, counts, steps, calls, bf16, mid_accumulation, token, pin_memor
             engine.offload_states(include=_states(calls[step]), pin_memory=pin_memory, non_blocking=non_blocking)
             engine.reload_states(non_blocking=non_blocking)
         record["losses"] += _micro_batches(engine, step, range(first, counts[rank]), token)
+        record["grads"].append(summed_grads(engine))
         engine.step()
         record["params"].append({k: v.cpu() for k, v in full_params(engine).items()})
     engine.destroy()
@@ -175,7 +185,7 @@ def reload_refused_then_retried(failing_rank: int = 1, steps: int = 4):
 
     rank = tdist.get_rank()
     engine, *_ = deepspeed.initialize(model=make_model(), config=_config("odc", managed=False))
-    record = {"losses": [], "params": []}
+    record: dict = {"losses": [], "grads": [], "params": []}
     for step in range(steps):
         if step == 2:
             engine.offload_states()
@@ -191,6 +201,7 @@ def reload_refused_then_retried(failing_rank: int = 1, steps: int = 4):
             record["away_after_refusal"] = sorted(engine.odc_runtime.windows_away)
             engine.reload_states()
         record["losses"] += _micro_batches(engine, step, [0], token=False)
+        record["grads"].append(summed_grads(engine))
         engine.step()
         record["params"].append(full_params(engine))
     engine.destroy()

@@ -10,7 +10,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as tdist
-from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 IN, OUT = 5, 3
 
@@ -129,6 +129,14 @@ def full_params(engine):
     return out
 
 
+def summed_grads(engine) -> dict:
+    """The full summed gradients the next step reads, by name (``safe_get_full_grad``, a collective: every rank
+    calls it before the step). For bit-for-bit claims: parameters alone cannot show a sum's last bits, as an
+    update far below a parameter's own last bit leaves it unchanged."""
+    return {name: safe_get_full_grad(param).detach().cpu().clone()
+            for name, param in engine.module.named_parameters() if param.requires_grad}
+
+
 # -- workloads -----------------------------------------------------------------------------------
 def train_equal(stage, steps=10, gas=1, model_kw=None, torch_style=False, **cfg_kw):
     """Managed accumulation, equal micro-batches everywhere. Returns per-step losses of this rank;
@@ -185,14 +193,15 @@ REFERENCE_CLIP = 0.0
 
 
 def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None, odc=None, bf16=False,
-                 optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP):
+                 optimizer=REFERENCE_OPTIMIZER, clip=REFERENCE_CLIP, record_grads=False):
     """Ranks run ``counts[rank]`` micro-batches per step.
 
     mode "unmanaged": ``managed_gradient_accumulation: false``, ``engine.backward(loss)``;
     mode "managed": each rank sets the boundary on its own last micro-batch (accelerate's pattern);
     mode "token": unmanaged, per-token loss sums with ``loss_tokens``; ``masked`` lists (rank, index) whose
     micro-batch carries zero loss tokens. Records, besides the parameters, the cross_node mode the odc stage
-    resolved to and its windows' dtypes (what a test asks for is what ran)."""
+    resolved to and its windows' dtypes (what a test asks for is what ran). ``record_grads``: also the summed
+    gradients each step reads (:func:`summed_grads`; "managed" needs every rank at one micro-batch or more)."""
     rank = tdist.get_rank()
     managed = mode == "managed"
     options = {**({"timeout_s": timeout_s} if timeout_s else {}), **(odc or {})}
@@ -201,6 +210,7 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None,
                     **zero)
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     dtype = torch.bfloat16 if bf16 else torch.float32
+    grads: list = []
     for step in range(steps):
         n = counts[rank]
         for index in range(n):
@@ -213,11 +223,15 @@ def train_uneven(stage, mode, counts, steps=3, masked=(), gas=2, timeout_s=None,
             else:
                 engine.backward(mse_mean(pred, y))
             if mode == "managed":
+                if record_grads and index == n - 1:  # the boundary: this step() is the optimizer's
+                    grads.append(summed_grads(engine))
                 engine.step()
         if mode != "managed":
+            if record_grads:
+                grads.append(summed_grads(engine))
             engine.step()
     params = full_params(engine)
-    result = {"params": params, "global_samples": engine.global_samples,
+    result = {"params": params, "grads": grads, "global_samples": engine.global_samples,
               "phase": getattr(engine, "odc_phase", None), **odc_runtime_facts(engine)}
     result["phase"] = result["phase"].value if result["phase"] is not None else None
     engine.destroy()
@@ -237,10 +251,11 @@ def odc_runtime_facts(engine) -> dict:
 
 
 def train_uneven_each(odc_options, bf16, mode, counts, steps=3, masked=(), optimizer=REFERENCE_OPTIMIZER,
-                      clip=REFERENCE_CLIP):
+                      clip=REFERENCE_CLIP, record_grads=False):
     """:func:`train_uneven` on the odc stage once per entry of ``odc_options`` (its ``odc`` argument), in the
     same ranks."""
-    return [train_uneven("odc", mode, counts, steps, masked, odc=options, bf16=bf16, optimizer=optimizer, clip=clip)
+    return [train_uneven("odc", mode, counts, steps, masked, odc=options, bf16=bf16, optimizer=optimizer, clip=clip,
+                         record_grads=record_grads)
             for options in odc_options]
 
 
