@@ -1,26 +1,16 @@
 """Activation offload (``odc.activation_offload``) in real 2-rank ODC engines with uneven micro-batch counts:
 the numbers do not change by one bit, the bytes moved are the plan's, only the planned micro-batches move
 anything, parameters never, and the host pool's high-water mark is the largest single offload."""
-import torch
 
 from ds_odc.activations import SavedProfile, decide
 from tests.support.activation_workloads import train_offload_variants
+from tests.support.compare import assert_same_run
 from tests.support.harness import run_ranks
 from tests.support.workloads import bad_configs, ds_config
 
 #: 1000 bytes: the 2- and 5-row micro-batches fit (160 saved bytes per row), the 8-row ones offload a part.
 PARTIAL = {"budget_mb": 1000 / 2 ** 20}
 ALL = {"budget_mb": 0}
-
-
-def _assert_identical(reference, other, what):
-    assert reference["losses"] == other["losses"], f"{what}: losses differ"
-    for step, (grads, expected) in enumerate(zip(other["grads"], reference["grads"])):
-        for name, grad in grads.items():
-            assert torch.equal(grad, expected[name]), f"{what}: gradient of {name} differs at step {step}"
-    for step, (params, expected) in enumerate(zip(other["params"], reference["params"])):
-        for name, param in params.items():
-            assert torch.equal(param, expected[name]), f"{what}: parameter {name} differs at step {step}"
 
 
 def _assert_moves_as_planned(record, budget_mb):
@@ -40,8 +30,8 @@ def _assert_moves_as_planned(record, budget_mb):
 def test_offload_on_and_off_are_bit_identical_and_move_what_was_planned():
     results = run_ranks(train_offload_variants, 2, [None, PARTIAL, ALL], (1, 3))
     for rank, (off, partial, every) in enumerate(results):
-        _assert_identical(off, partial, f"rank {rank}, partial offload")
-        _assert_identical(off, every, f"rank {rank}, offload everything")
+        assert_same_run(off, partial, f"rank {rank}, partial offload")
+        assert_same_run(off, every, f"rank {rank}, offload everything")
         _assert_moves_as_planned(partial, PARTIAL["budget_mb"])
         _assert_moves_as_planned(every, ALL["budget_mb"])
         # only the planned micro-batches: with the partial budget just the 8-row ones (rank 1's third) move
@@ -58,8 +48,8 @@ def test_checkpoint_inputs_mode_moves_only_the_inputs_of_reentrant_checkpoints()
     mode = {"budget_mb": 0, "mode": "checkpoint_inputs"}
     results = run_ranks(train_offload_variants, 2, [None, mode, ALL], (2, 1), 2, True)
     for rank, (off, inputs_only, every) in enumerate(results):
-        _assert_identical(off, inputs_only, f"rank {rank}, checkpoint inputs")
-        _assert_identical(off, every, f"rank {rank}, every saved tensor under checkpointing")
+        assert_same_run(off, inputs_only, f"rank {rank}, checkpoint inputs")
+        assert_same_run(off, every, f"rank {rank}, every saved tensor under checkpointing")
         _assert_moves_as_planned(inputs_only, 0)
         # four checkpoints: x (5 floats per row) and three hidden states (7 each); the last layer's input stays
         assert inputs_only["profile"] == ((20.0, 28.0, 28.0, 28.0), 28.0)

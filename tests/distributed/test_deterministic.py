@@ -3,10 +3,9 @@ of one job give identical losses, summed gradients and parameters at every step,
 micro-batch counts (zero included) and start each step in reversed orders in the two runs, so that pushes reach
 their owners in other orders. Exact sums are still the step one process takes (docs/normalisation.md)."""
 import pytest
-import torch
 
 from tests.support import deterministic_workloads as deterministic
-from tests.support.compare import worst_rel_diff
+from tests.support.compare import assert_same_run, same_bits, worst_rel_diff
 from tests.support.harness import run_ranks
 from tests.support.workloads import reference_training
 
@@ -22,8 +21,7 @@ def test_without_exact_sums_the_same_two_runs_differ():
     last bit leaves it unchanged, and the parameters alone once hid every difference."""
     first, second = run_ranks(deterministic.train_twice, 4, COUNTS, 3, "fp32", MASKED, timeout=240)[0]
     assert not first["exact"]
-    same = [step for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True))
-            if all(torch.equal(a[name], b[name]) for name in a)]
+    same = [step for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True)) if same_bits(a, b)]
     assert not same, f"two fp32 runs summed pushes in other orders and got the same gradient bits at steps {same}"
 
 
@@ -33,9 +31,5 @@ def test_two_runs_with_ranks_delayed_differently_are_identical_bit_for_bit(via):
     expected = reference_training("token", COUNTS, masked=MASKED)
     for rank, (first, second) in enumerate(runs):
         assert first["exact"] and second["exact"], rank
-        assert first["losses"] == second["losses"], rank
-        for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), ("gradients", via, rank, step)
-        for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), ("parameters", via, rank, step)
+        assert_same_run(first, second, f"{via}, rank {rank}")
         assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank

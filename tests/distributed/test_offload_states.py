@@ -9,6 +9,7 @@ there)."""
 import pytest
 import torch
 
+from tests.support.compare import assert_same_run
 from tests.support.harness import run_ranks
 from tests.support.offload_states_workloads import (
     after_destroy_and_initialize,
@@ -20,20 +21,6 @@ from tests.support.offload_states_workloads import (
     rollout_round_trip,
     windows_unmapped_while_away,
 )
-
-
-def _assert_identical(plain, offloaded, label=""):
-    """Losses and parameters bit for bit, and the summed gradients of every step where both runs recorded them
-    (offload_round_trip's do): an update far below a parameter's last bit hides a gradient's."""
-    assert offloaded["losses"] == plain["losses"], f"{label} losses differ"
-    assert ("grads" in plain) == ("grads" in offloaded), label
-    for kind in ("grads", "params") if "grads" in plain else ("params",):
-        assert len(plain[kind]) == len(offloaded[kind]) > 0, (label, kind)
-        for step, (a, b) in enumerate(zip(plain[kind], offloaded[kind], strict=True)):
-            assert a.keys() == b.keys(), (label, kind, step)
-            for name in a:
-                assert torch.equal(a[name], b[name]), f"{label} step {step}: {kind} of {name} differ"
-
 
 CASES = {
     # the issue's reproduction: DeepSpeed's Adam, every state, between steps
@@ -60,7 +47,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_after_offload_and_reload_equals_training_without(case):
     for rank, result in enumerate(run_ranks(offload_round_trip, 2, CASES[case])):
-        _assert_identical(result["plain"], result["offloaded"], f"rank {rank}")
+        assert_same_run(result["plain"], result["offloaded"], f"rank {rank}")
 
 
 def test_policy_and_frozen_reference_offloaded_around_a_rollout():
@@ -70,7 +57,7 @@ def test_policy_and_frozen_reference_offloaded_around_a_rollout():
     offloaded = run_ranks(rollout_round_trip, 2, True)
     for rank in range(2):
         assert offloaded[rank]["away_while_offloaded"] == ["grads", "params"]
-        _assert_identical(plain[rank], offloaded[rank], f"rank {rank}")
+        assert_same_run(plain[rank], offloaded[rank], f"rank {rank}")
 
 
 def test_windows_are_unmapped_while_away_and_no_file_is_left():
@@ -112,7 +99,7 @@ def test_a_rank_that_cannot_reload_is_named_on_every_rank_and_a_retry_trains_on(
         assert error in ("ODCConfigError", "ODCStateError"), result["refused"]
         assert ("no room for rank 1's" in message) if rank == 1 else ("rank(s) [1]" in message), message
         assert result["away_after_refusal"] == ["grads", "params"]
-        _assert_identical(plain[rank]["plain"], result, f"rank {rank}")
+        assert_same_run(plain[rank]["plain"], result, f"rank {rank}")
 
 
 # -- the other calls that replace or move ZeRO-3's partitioned buffers after initialize ------------------
@@ -122,14 +109,14 @@ def test_offload_states_with_the_optimizer_offloaded_trains_on_as_without():
     case = {"counts": (2, 0), "mid_accumulation": True,
             "zero": {"offload_optimizer": {"device": "cpu"}}, "calls": {1: None, 2: ["lp_params"]}}
     for rank, result in enumerate(run_ranks(offload_round_trip, 2, case)):
-        _assert_identical(result["plain"], result["offloaded"], f"rank {rank}")
+        assert_same_run(result["plain"], result["offloaded"], f"rank {rank}")
 
 
 def test_empty_partition_cache_keeps_training_and_frozen_forwards_as_without():
     plain = run_ranks(after_empty_partition_cache, 2, False)
     called = run_ranks(after_empty_partition_cache, 2, True)
     for rank in range(2):
-        _assert_identical(plain[rank], called[rank], f"rank {rank}")
+        assert_same_run(plain[rank], called[rank], f"rank {rank}")
         assert all(torch.equal(a, b) for a, b in zip(plain[rank]["reference"], called[rank]["reference"]))
 
 
@@ -137,7 +124,7 @@ def test_an_engine_after_another_was_destroyed_trains_as_the_only_one():
     alone = run_ranks(after_destroy_and_initialize, 2, False)
     second = run_ranks(after_destroy_and_initialize, 2, True)
     for rank in range(2):
-        _assert_identical(alone[rank], second[rank], f"rank {rank}")
+        assert_same_run(alone[rank], second[rank], f"rank {rank}")
 
 
 def test_load_checkpoint_module_only_trains_on_as_zero3(tmp_path):

@@ -27,7 +27,7 @@ from tests.support.checkpoint_workloads import (
     to_universal,
     train_and_save,
 )
-from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, worst_rel_diff
+from tests.support.compare import BF16_GRAD_SLACK, assert_same_run, bf16_excess, max_rel_diff, worst_rel_diff
 from tests.support.harness import run_ranks
 from tests.support.netns import available, two_hosts
 from tests.support.two_host_workloads import MASKED, UNEVEN
@@ -223,10 +223,7 @@ def test_offload_states_across_nodes_keeps_training_bit_identical(cases):
     across nodes at the step), uneven counts, gradients pushed before the call: equal to the run without."""
     for rank, result in enumerate(cases["offload_states"]):
         plain, offloaded = result["plain"], result["offloaded"]
-        assert offloaded["losses"] == plain["losses"], f"rank {rank}"
-        for kind in ("grads", "params"):  # the summed gradients too: parameters hide a sum's last bits
-            for step, (a, b) in enumerate(zip(plain[kind], offloaded[kind], strict=True)):
-                assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} step {step}: {kind}"
+        assert_same_run(plain, offloaded, f"rank {rank}")
 
 
 def test_deterministic_sums_repeat_bit_for_bit_across_nodes(cases):
@@ -236,11 +233,8 @@ def test_deterministic_sums_repeat_bit_for_bit_across_nodes(cases):
     counts = UNEVEN["uneven_token"]
     expected = reference_training("token", counts, masked=MASKED)
     for rank, (first, second) in enumerate(cases["deterministic"]):
-        assert first["exact"] and first["losses"] == second["losses"], rank
-        for step, (a, b) in enumerate(zip(first["grads"], second["grads"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), ("gradients", rank, step)
-        for step, (a, b) in enumerate(zip(first["params"], second["params"], strict=True)):
-            assert all(torch.equal(a[name], b[name]) for name in a), ("parameters", rank, step)
+        assert first["exact"], rank
+        assert_same_run(first, second, f"rank {rank}")
         assert worst_rel_diff(second["params"][-1], expected) <= FP32_TOL, rank
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed.test_two_hosts import BIN, SCRIPT, TRAIN_TIMEOUT_S, _logs, _ports, hosts  # noqa: F401
-from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, worst_rel_diff
+from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, same_bits, worst_rel_diff
 from tests.support.netns import available
 from tests.support.two_host_workloads import MASKED, UNEVEN
 from tests.support.workloads import reference_training
@@ -127,20 +127,16 @@ def test_global_budget_and_replicate_give_the_same_bits_under_deterministic_sums
     bit for bit, uneven counts included. The control: replicate and global with fp32 accumulators sum in other
     orders and places, and their gradients differ in some bits (parameters alone would hide it: an update far
     below a parameter's last bit leaves it unchanged)."""
-    def same(a: dict, b: dict) -> bool:
-        assert a.keys() == b.keys(), (sorted(a), sorted(b))
-        return all(torch.equal(a[name], b[name]) for name in a)
-
     for rank, result in enumerate(cases["global_bitwise"]):
         replicate = result["replicate"]
         for layout in ("global", "budget"):
             other = result[layout]
             assert len(other["grads"]) == len(replicate["grads"]) == 3, rank
             for step, (a, b) in enumerate(zip(replicate["grads"], other["grads"], strict=True)):
-                assert same(a, b), ("gradients", layout, rank, step)
-            assert same(replicate["params"], other["params"]), ("parameters", layout, rank)
+                assert same_bits(a, b), ("gradients", layout, rank, step)
+            assert same_bits(replicate["params"], other["params"]), ("parameters", layout, rank)
         plain, spread = result["replicate_fp32"]["grads"], result["global_fp32"]["grads"]
-        assert not all(same(a, b) for a, b in zip(plain, spread, strict=True)), rank
+        assert not all(same_bits(a, b) for a, b in zip(plain, spread, strict=True)), rank
 
 
 def test_global_sharding_runs_no_collective_in_forward_or_backward(cases):

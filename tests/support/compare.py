@@ -37,6 +37,26 @@ def assert_close_nested(actual, expected, rtol: float, atol: float, path: str = 
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{path}: {m}")
 
 
+def same_bits(actual: dict, expected: dict) -> bool:
+    """Whether two dicts of tensors by name are equal bit for bit (the same names required)."""
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    return all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def assert_same_run(expected: dict, actual: dict, label: str = "") -> None:
+    """Two runs' records bit for bit: ``losses``, and per step ``grads`` (where both recorded the summed gradients
+    each step reads) and ``params`` (full tensors by name). The gradients matter: an update far below a parameter's
+    last bit leaves it unchanged, so parameters alone hide a sum that differs in its last bits."""
+    assert actual["losses"] == expected["losses"], f"{label}: losses differ"
+    assert ("grads" in actual) == ("grads" in expected), label
+    for kind in ("grads", "params") if "grads" in expected else ("params",):
+        assert len(actual[kind]) == len(expected[kind]) > 0, (label, kind)
+        for step, (a, e) in enumerate(zip(actual[kind], expected[kind], strict=True)):
+            assert a.keys() == e.keys(), (label, kind, step, sorted(a), sorted(e))
+            differ = [name for name in e if not torch.equal(a[name], e[name])]
+            assert not differ, f"{label}: {kind} differ at step {step}: {differ}"
+
+
 #: A bf16 run's summed gradients lie within this many times ZeRO-3's own bf16-vs-fp32 gradient difference (about
 #: 1e-2 relative to the largest element): measured at most 0.82x with fp32 accumulators and 1.5x with bf16 ones
 #: over 10 steps (test_parity.py), at most 0.88x on two hosts (replicate, global, budget). A gradient off by a

@@ -26,8 +26,7 @@ from tests.support.workloads import (
 STAGGER_S = 0.25  # between ranks' starts of a step: far above a micro-batch of the test model on CI's 2 cores
 
 
-def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_delay_s: float = 0.01,
-               rank_order=None) -> dict:
+def train_once(counts, steps: int, delay_seed: int, via: str, rank_order, masked=(), max_delay_s: float = 0.01) -> dict:
     """Ranks run ``counts[rank]`` micro-batches per step (per-token loss, unmanaged accumulation), each
     micro-batch after a random sleep drawn from ``delay_seed``; the rank at position k of ``rank_order`` starts
     each step ``k * STAGGER_S`` after the first. ``via``: "config" (``odc.deterministic``),
@@ -45,7 +44,7 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
         torch.use_deterministic_algorithms(before)
     delays = random.Random(1000 * delay_seed + rank)
     losses, history, grads = [], [], []
-    start_delay = STAGGER_S * list(rank_order).index(rank) if rank_order is not None else 0.0
+    start_delay = STAGGER_S * list(rank_order).index(rank)
     for step in range(steps):
         time.sleep(start_delay)
         for index in range(counts[rank]):
@@ -65,5 +64,5 @@ def train_once(counts, steps: int, delay_seed: int, via: str, masked=(), max_del
 def train_twice(counts, steps: int = 3, via: str = "config", masked=()) -> list:
     """:func:`train_once` twice: ranks in ascending order of start, then descending, other delay seeds."""
     ascending = list(range(tdist.get_world_size()))
-    return [train_once(counts, steps, seed, via, masked, rank_order=order)
+    return [train_once(counts, steps, seed, via, order, masked)
             for seed, order in ((1, ascending), (2, ascending[::-1]))]
