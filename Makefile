@@ -3,6 +3,8 @@
 # make test-unit : the seconds-long loop (tests/unit: no processes spawned)
 # make lint / make typecheck : ruff and mypy, with the settings in pyproject.toml (CI runs both before the tests;
 #   mypy must find no error anywhere in ds_odc/)
+# make test-perturbed : opt-in: the contract and parity suites under CPU contention and schedule perturbation,
+#   seeds 1-5 (tests/compat/run_perturbed.py; about an hour)
 # make schema : regenerate config_schemas/odc.schema.json and docs/options.md from ds_odc/config.py
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
@@ -11,7 +13,7 @@ export OMP_NUM_THREADS := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 STEPS ?= 100
 
-.PHONY: venv demo test test-unit lint typecheck schema
+.PHONY: venv demo test test-unit test-perturbed lint typecheck schema
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -24,6 +26,9 @@ test: venv
 
 test-unit: venv
 	.venv/bin/python -m pytest tests/unit
+
+test-perturbed: venv
+	.venv/bin/python tests/compat/run_perturbed.py
 
 lint: venv
 	.venv/bin/ruff check .

@@ -109,9 +109,10 @@ class ODCConfig(BaseModel):
     """Sum gradients so that a run repeats bit for bit whatever order pushes arrive in (uneven counts, slow
     ranks, several nodes): each pushed value is cut into two parts on fixed grids and summed exactly in two
     fp64 regions, folded once per step (docs/normalisation.md). Costs 16 bytes of accumulator per shard
-    element (fp32: 4) and two pushes per piece; values below about 1e-18 are rounded away. Gradients may
-    then not be read (``engine.allreduce_gradients()``, ``safe_get_full_grad``) before the step's last
-    backward. Default null: on when ``torch.use_deterministic_algorithms(True)`` is set at initialize.
+    element (fp32: 4) and two pushes per piece; values below about 1e-18 are rounded away. Gradients read
+    before the step (``engine.allreduce_gradients()``, ``safe_get_full_grad``) are folded in their own copy, so
+    backward may go on after them. Default null: on when ``torch.use_deterministic_algorithms(True)`` is set at
+    initialize.
     ``accumulator_dtype`` cannot be given with it. CPU ranks only for now (refused on GPUs by name)."""
 
     loss_normalization: Literal["auto", "token"] = "auto"

@@ -12,6 +12,37 @@ MARKERS_BY_DIRECTORY = {"distributed": "distributed", "gpu": "gpu"}
 MARKERS_BY_FILE = {"test_two_hosts.py": "multi_host", "test_two_hosts_global.py": "multi_host"}
 
 
+def pytest_report_header(config):
+    perturb = os.environ.get("DS_ODC_PERTURB")
+    return [f"ds_odc: schedule perturbation DS_ODC_PERTURB={perturb} (every rank's protocol points delayed at random; "
+            "rerun a failure with the same value)"] if perturb else []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    perturb = os.environ.get("DS_ODC_PERTURB")
+    if perturb and report.failed:
+        report.sections.append(("ds_odc schedule", f"failed under DS_ODC_PERTURB={perturb}: rerun with the same "
+                                "value to reproduce, then pin the order with a forced-order test"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def perturbed_in_process():
+    """Under ``DS_ODC_PERTURB``, tests whose ranks are threads of this process (tests/support/loopback.py) are
+    perturbed too; spawned ranks install their own when their engine's session opens."""
+    if not os.environ.get("DS_ODC_PERTURB"):
+        yield
+        return
+    from ds_odc.comm import schedule
+
+    perturbation = schedule.perturb_from_environment(rank=-1)
+    yield
+    if perturbation is not None:
+        schedule.uninstall(perturbation)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         try:

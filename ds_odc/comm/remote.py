@@ -38,6 +38,7 @@ import torch.distributed as tdist
 
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
 from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.schedule import point
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
 REQUEST, PAYLOAD, REPLY = 71, 72, 73  # message tags (the group is this module's own)
@@ -89,6 +90,7 @@ class RemoteWindows:
     def read_many(self, reads: Sequence[Transfer], doing: str = "pulling parameters") -> Completion:
         """Every ``transfer.tensor`` filled from ``transfer.owner``'s (a job rank) window at ``offset``.
         Every request is sent before the first reply is awaited; returns when all have arrived."""
+        point("remote.pull")
         window = self.window()
         window_dtype, window_numel = window.dtype, window.numel()
         sends: list[tuple[int, Any]] = []
@@ -118,6 +120,7 @@ class RemoteWindows:
     def accumulate_many(self, pushes: Sequence[Transfer], doing: str = "pushing gradients") -> Completion:
         """Every ``transfer.tensor`` added into ``transfer.owner``'s accumulator at ``offset``; returns
         once every owner acknowledged its add (the pushes have landed)."""
+        point("remote.push")
         sends: list[tuple[int, Any]] = []
         replies: list[tuple[int, Any, torch.Tensor]] = []
         for transfer in pushes:

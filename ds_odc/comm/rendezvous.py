@@ -27,6 +27,7 @@ from ds_odc.comm.backoff import Backoff
 from ds_odc.comm.control import ControlPlane
 from ds_odc.comm.failure import FailureRecord
 from ds_odc.comm.peer_watch import PeerWatch
+from ds_odc.comm.schedule import point
 from ds_odc.errors import ODCPeerError
 
 
@@ -53,6 +54,7 @@ class Rendezvous:
             raise ValueError(f"rendezvous payload of {n} values exceeds the width {self.width}")
         seq = self.seq + 1
         me = self.plane.me
+        point("round.write")
         me.write_round(seq, step, int(kind), values)
         try:
             self._wait(seq, step, int(kind), n, what or self.plane.wording.round_name(int(kind)))
@@ -60,6 +62,7 @@ class Rendezvous:
             self.broken = err
             raise
         self.seq = seq
+        point("round.read")
         parity = seq % 2
         return torch.stack([block.round_payload(parity, n) for block in self.plane.blocks])
 

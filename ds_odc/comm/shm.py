@@ -25,6 +25,7 @@ from typing import Collection, List, Optional, Sequence
 
 import torch
 
+from ds_odc.comm import schedule
 from ds_odc.comm.allocation import NodeAllocation, no_room
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
 from ds_odc.comm.locks import LockFile
@@ -105,9 +106,11 @@ class ShmTransport(Transport):
     def read_many(self, reads: Sequence[Transfer]) -> Completion:
         """Every copy in one loop, without per-read dispatch; the copies are done when it returns."""
         windows = self._param_windows
-        for transfer in reads:
+        for index, transfer in enumerate(reads):
             out = transfer.tensor
             out.copy_(windows[transfer.owner].narrow(0, transfer.offset, out.numel()).view(out.shape))
+            if index == 0:
+                schedule.point("pull.inside")
         return COMPLETED
 
     def accumulate(self, owner: int, offset: int, grad: torch.Tensor) -> None:
@@ -144,6 +147,7 @@ class ShmTransport(Transport):
                 for stripe in stripes:
                     locks.acquire(stripe)
                     taken.append(stripe)
+                schedule.point("stripe.locked")
                 yield
             finally:
                 for stripe in reversed(taken):

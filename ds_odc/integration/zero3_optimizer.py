@@ -32,6 +32,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStat
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from ds_odc.comm.schedule import point
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.integration import zero3_windows as windows
@@ -128,7 +129,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
                                  "(no model, tensor, pipeline or sequence parallelism yet)")
         plan = windows.session_plan(self, self._odc_options, resolve_timeout_s(self._odc_options.timeout_s))
-        self._odc_runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc))
+        self._odc_runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc),
+                                         on_gradients_moved=lambda: windows.adopt_accumulator(self, self.odc))
         windows.announce_cross_node(self._odc_runtime)
         release_allreduce_buffer(dist.get_rank())  # every rank passed the session's start-up collectives
         windows.adopt_param_window(self, self.odc)
@@ -179,11 +181,15 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         return self._odc_runtime is not None and self._odc_runtime.phase in (Phase.IDLE, Phase.ACCUMULATING)
 
     def _odc_fence_for_read(self, what: str) -> None:
-        """Make every rank's pushes visible before a ZeRO-3 gradient read between backward and step."""
+        """Make every rank's pushes visible before a ZeRO-3 gradient read between backward and step: ZeRO-3's
+        partitions are then a copy of them, unchanged by peers' later pushes, until this rank's next push or
+        step; writes into it reach the step ([Note: reads are snapshots], ``ds_odc.runtime.gradient_reads``)."""
         if self._odc_between_steps():
-            self.odc.sync_gradients(what)
+            if self.odc.sync_gradients(what):
+                windows.adopt_accumulator(self, self.odc)
             self._odc_point_averaged_gradients_at_accumulator()
             self._odc_stage_offload_grads()
+            point("gradient_read.return")
 
     def _odc_point_averaged_gradients_at_accumulator(self) -> None:
         """What ZeRO-3's backward epilogue does: a rank that ran no backward never did it."""

@@ -18,6 +18,7 @@ from ds_odc.comm.batch import Completion, Transfer
 from ds_odc.comm.cross_node import CrossNodeLink
 from ds_odc.comm.remote import RemoteWindows
 from ds_odc.comm.replica_link import ReplicaBlocks
+from ds_odc.comm.schedule import point
 from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCConfigError
 from ds_odc.runtime import exact_sum
@@ -41,7 +42,8 @@ class ODCRuntime:
 
     def __init__(self, transport: Transport, layout: WindowLayout, ledger: MicroBatchLedger,
                  on_open: Optional[Callable[[], None]] = None, link: Optional[CrossNodeLink] = None,
-                 exact: bool = False, remote: Optional[RemoteWindows] = None, job_world: Optional[int] = None):
+                 exact: bool = False, remote: Optional[RemoteWindows] = None, job_world: Optional[int] = None,
+                 on_gradients_moved: Optional[Callable[[], None]] = None):
         self.transport = transport
         self.layout = layout
         self.ledger = ledger
@@ -59,7 +61,9 @@ class ODCRuntime:
         self.world_size = job_world or transport.world_size * self.link.node_count
         self._block_of = (lambda node: 0) if remote is not None else (lambda node: node)
         self.own_block = self._block_of(self.node)  # where this rank's own shards sit in its windows
-        self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks, exact)
+        self.protocol = StepProtocol(transport, ledger, on_open, self.link, layout.blocks, exact,
+                                     own_trainable=layout.trainable_block(self.own_block),
+                                     on_gradients_moved=on_gradients_moved)
         self.exact = exact  # deterministic accumulation: coarse and fine regions ([Note: exact sums])
         self.warned_inexact = False
         self.cross_node: Optional[CrossNodeChoice] = None  # how a job on several nodes holds its windows (open_session)
@@ -85,8 +89,10 @@ class ODCRuntime:
         """Fill ``out`` (flat, ``numel`` elements, compute dtype) with the full parameter ``key``,
         reading each owner's shard from its window."""
         self.protocol.before_pull()
+        point("pull")
         self._read([Transfer(owner, offset, out.narrow(0, start, count))
                     for owner, offset, start, count in self._param_pieces(key)]).wait()
+        point("pull.done")
         self.pulls += 1
         self.transport.heartbeat()
         return out
@@ -98,16 +104,19 @@ class ODCRuntime:
         if len(keys) != len(outs):
             raise ValueError(f"pull_many: {len(keys)} keys but {len(outs)} destinations")
         self.protocol.before_pull()
+        point("pull")
         reads = [Transfer(owner, offset, out.narrow(0, start, count))
                  for key, out in zip(keys, outs) for owner, offset, start, count in self._param_pieces(key)]
         handle = self._read(reads)
+        point("pull.done")
         self.pulls += len(keys)
         self.transport.heartbeat()
         return handle
 
     # -- this rank's own shards (its node's block) ---------------------------------------------------
     # Views of this rank's own windows: of the transport's, or of their host copies while they are away
-    # (offload_windows): ZeRO-3's buffers are pointed at these either way.
+    # (offload_windows); gradients, while a read between backward and step lasts, of the copy it took ([Note:
+    # reads are snapshots]). ZeRO-3's buffers are pointed at these either way.
     def own_shard(self, key: int) -> torch.Tensor:
         """This rank's shard of parameter ``key`` in its window (what its optimizer updates)."""
         slot = self.layout.slots[key]
@@ -117,8 +126,7 @@ class ODCRuntime:
     def own_gradient(self, key: int) -> torch.Tensor:
         """This rank's gradient shard of trainable parameter ``key`` in its accumulator."""
         slot = self.layout.slots[key]
-        return self.protocol.residency.stash.window("grads").narrow(0, self.layout.grad_offset(slot, self.own_block),
-                                                          slot.shard_numel)
+        return self._gradients().narrow(0, self.layout.grad_offset(slot, self.own_block), slot.shard_numel)
 
     def own_trainable_shards(self) -> torch.Tensor:
         """This rank's trainable shards, contiguous in its window (ZeRO-3's flat shard buffer lives here)."""
@@ -126,7 +134,11 @@ class ODCRuntime:
 
     def own_gradients(self) -> torch.Tensor:
         """This rank's gradient shards, contiguous in its accumulator (ZeRO-3's gradient partition)."""
-        return self.protocol.residency.stash.window("grads").narrow(0, *self.layout.trainable_block(self.own_block))
+        return self._gradients().narrow(0, *self.layout.trainable_block(self.own_block))
+
+    def _gradients(self) -> torch.Tensor:
+        snapshot = self.protocol.snapshot
+        return snapshot.copy if snapshot is not None else self.protocol.residency.stash.window("grads")
 
     def _param_pieces(self, key: int):
         """``(owner, window offset, start, count)`` of every owner's (job rank's) shard of ``key``."""
@@ -179,6 +191,7 @@ class ODCRuntime:
         reduce-scatter's average) at every moment, so ZeRO-3's gradient reads and writes between
         backward and step keep their meaning; the step applies the rest of the normalisation."""
         self.protocol.before_push()
+        point("push")
         slot = self.layout.slots[key]
         with self.protocol.failing_group("a gradient push"):
             if slot.grad_offset is None:
@@ -200,6 +213,7 @@ class ODCRuntime:
             if remote:
                 assert self.remote is not None
                 self.remote.accumulate_many(remote)
+        point("push.done")
         self.pushes += 1
         self.transport.heartbeat()
 
@@ -238,6 +252,9 @@ class ODCRuntime:
         """Move this rank's windows of ``kinds`` ("params", "grads") to host memory, with every rank
         (collective; :mod:`ds_odc.runtime.residency`). Returns the kinds moved now."""
         self.refuse_with_global_sharding(what)
+        if "grads" in kinds and self.protocol.snapshot is not None:
+            with self.protocol.failing_group(what):
+                self.protocol.end_read()  # a reader's writes go with the accumulator
         return self.protocol.residency.offload(frozenset(kinds), pin_memory, non_blocking, what)
 
     def reload_windows(self, non_blocking: bool = False, what: str = "engine.reload_states()") -> frozenset:
@@ -249,9 +266,11 @@ class ODCRuntime:
         """The kinds of this rank's windows now in host memory (``engine.offload_states``)."""
         return self.protocol.residency.away
 
-    def sync_gradients(self, what: str) -> None:
-        """A gradient fence outside a step (collective): every rank's pushes so far have landed."""
-        self.protocol.sync_gradients(what)
+    def sync_gradients(self, what: str) -> bool:
+        """A gradient read's fence outside a step (collective): every rank's pushes so far have landed, and this
+        rank's gradient views (:meth:`own_gradients`) are a copy of them until its next push or step ([Note: reads
+        are snapshots]). Returns whether the copy is new (the views moved)."""
+        return self.protocol.sync_gradients(what)
 
     def gradient_norms(self, squared: torch.Tensor, what: str) -> GlobalNorms:
         """Every owner's per-group squared gradient norms (of its accumulator as it is now: call after

@@ -34,6 +34,7 @@ from typing import Callable, ContextManager, Dict, FrozenSet, Iterable, Optional
 import torch
 
 from ds_odc.comm.cross_node import CrossNodeLink
+from ds_odc.comm.schedule import point
 from ds_odc.comm.transport import Transport
 from ds_odc.errors import ODCConfigError, ODCStateError
 from ds_odc.runtime.round_kinds import RoundKind
@@ -161,6 +162,7 @@ class Residency:
             kinds = frozenset(kinds) - self.stash.away
             self._agree(RoundKind.WINDOWS_AWAY, ("asked to move", "had away"), [kinds, self.stash.away], what)
             self.stash.take(kinds, pin_memory, non_blocking)
+            point("windows.away")
             transport.drop_peer_windows(kinds)
             rounds.round(RoundKind.WINDOWS_AWAY, _EMPTY, what)  # nobody maps a window about to be freed
             transport.drop_own_windows(kinds)

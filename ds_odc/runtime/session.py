@@ -24,6 +24,7 @@ import torch.distributed as tdist
 from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.comm.nodes import JobNodes, job_nodes
 from ds_odc.comm.remote import RemoteWindows
+from ds_odc.comm.schedule import perturb_from_environment
 from ds_odc.errors import ODCConfigError
 from ds_odc.runtime.core import ODCRuntime
 from ds_odc.runtime.cross_node_plan import CrossNodeChoice, Layer, resolve_cross_node
@@ -90,9 +91,13 @@ class SessionPlan:
 
 
 def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None,
-                 nodes: Optional[JobNodes] = None) -> ODCRuntime:
+                 nodes: Optional[JobNodes] = None,
+                 on_gradients_moved: Optional[Callable[[], None]] = None) -> ODCRuntime:
     """Start ODC on every rank (collective; see the module docstring). ``on_open``: the open round's
-    hook (publish shards written since). ``nodes``: the job's nodes when the caller found them already."""
+    hook (publish shards written since). ``nodes``: the job's nodes when the caller found them already.
+    ``on_gradients_moved``: called when a gradient read's copy ends (the adapter points its gradient views at
+    :meth:`~ds_odc.runtime.core.ODCRuntime.own_gradients` again; [Note: reads are snapshots])."""
+    perturb_from_environment(tdist.get_rank() if tdist.is_initialized() else 0)  # opt-in, for test runs
     if plan.cross_node != "replicate" and torch.device(plan.device).type != "cpu":
         raise ODCConfigError(f"zero_optimization.odc.cross_node={plan.cross_node!r} runs on CPU hosts for now: on GPUs "
                              "pulls and pushes across nodes need the NVSHMEM transport, which is validated only as an "
@@ -132,7 +137,7 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
         transport.close()
         raise
     runtime = ODCRuntime(transport, layout, plan.ledger, on_open=on_open, link=link, exact=plan.exact, remote=remote,
-                         job_world=nodes.topology.world_size)
+                         job_world=nodes.topology.world_size, on_gradients_moved=on_gradients_moved)
     runtime.cross_node = choice
     return runtime
 

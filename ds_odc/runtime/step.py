@@ -35,9 +35,11 @@ Rounds outside a step, each one collective (every rank calls it at the same poin
   back), so every rank's first forward pulls what every owner wrote before it (ZeRO-3's first
   all-gather orders the same writes);
 * **gradient fence** (:meth:`StepProtocol.sync_gradients`): every push so far has landed, counts
-  and accumulators are left as they are: gradient reads before ``engine.step`` (``get_fp32_grad_
-  partitions``, ``safe_get_full_grad``, ``engine.allreduce_gradients()``) then see every rank's
-  micro-batches, as after ZeRO-3's reduce-scatter;
+  and accumulators are left as they are, and this owner copies its accumulator before any rank pushes
+  again (a second round): gradient reads before ``engine.step`` (``get_fp32_grad_partitions``,
+  ``safe_get_full_grad``, ``engine.allreduce_gradients()``) then see every rank's micro-batches, as after
+  ZeRO-3's reduce-scatter, and keep seeing them while faster peers push their next ones
+  ([Note: reads are snapshots], :mod:`ds_odc.runtime.gradient_reads`);
 * **discard** (:meth:`StepProtocol.discard_gradients`): ``optimizer.zero_grad()`` called outside a
   step drops the gradients of the micro-batches so far on every rank (ZeRO-3's next backward
   overwrites its partitions): a fence, every owner zeroes its accumulator and the counts, and a
@@ -67,9 +69,12 @@ import torch
 
 from ds_odc.comm.cross_node import CrossNodeLink, NodeBlocks
 from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.schedule import describe as described_schedule
+from ds_odc.comm.schedule import point
 from ds_odc.comm.transport import Transport
-from ds_odc.errors import ODCError, ODCGroupFailedError, ODCStateError
+from ds_odc.errors import ODCGroupFailedError, ODCStateError
 from ds_odc.runtime import crash, exact_sum
+from ds_odc.runtime.gradient_reads import GradientSnapshot
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import Residency
@@ -117,7 +122,9 @@ class StepProtocol:
     """Fence, norm, update, publish, and the group's failure policy. See the module docstring."""
 
     def __init__(self, transport: Transport, ledger: MicroBatchLedger, on_open: Optional[Callable[[], None]] = None,
-                 link: Optional[CrossNodeLink] = None, blocks: Optional[NodeBlocks] = None, exact: bool = False):
+                 link: Optional[CrossNodeLink] = None, blocks: Optional[NodeBlocks] = None, exact: bool = False,
+                 own_trainable: Optional[tuple[int, int]] = None,
+                 on_gradients_moved: Optional[Callable[[], None]] = None):
         self.transport = transport
         self.ledger = ledger
         self.link = link or CrossNodeLink()  # the exchange with the other nodes (nothing on one node)
@@ -133,7 +140,11 @@ class StepProtocol:
         self.residency = Residency(self)  # where this rank's windows are (engine.offload_states moves them)
         self.left: Optional[str] = None  # why this rank left training (leave), if it did
         self.exact = exact  # deterministic accumulation ([Note: exact sums]): two regions, folded at a fence
-        self.folded: Optional[str] = None  # exact sums: the read that folded them before this step's end
+        # this rank's trainable block in its accumulator, the part a gradient reader may write (None: all of it)
+        self.own_trainable = own_trainable
+        self.snapshot: Optional[GradientSnapshot] = None  # what gradient reads see ([Note: reads are snapshots])
+        # ZeRO-3's gradient views pointed at own_gradients() again (the snapshot, or the accumulator once it ended)
+        self.on_gradients_moved = on_gradients_moved
         crash.watch(self)
 
     @property
@@ -152,12 +163,11 @@ class StepProtocol:
         self._usable()
         self._open()
         self._require({"grads"}, "a gradient push (a backward)")
-        if self.folded is not None:
-            raise ODCError(f"odc.deterministic: a gradient push after {self.folded} read the step's gradients: "
-                           "exact sums are folded into the gradients ZeRO-3 reads at that read, and later pushes "
-                           "could no longer be summed exactly. Read gradients after the step's last backward")
         self.machine.advance(Event.PUSH)
         self._discarded = None  # a micro-batch after the discard: the step cannot restore it
+        if self.snapshot is not None:  # this rank's own next push: what it read ends here, as on ZeRO-3
+            with self.failing_group("a gradient push"):
+                self.end_read()
         self._note(Activity.MICRO_BATCHES)
 
     def record_micro_batch(self, rule, tokens: int = 0, shared: bool = False) -> None:
@@ -173,7 +183,9 @@ class StepProtocol:
         self._require({"params", "grads"}, "the optimizer step")
         self.machine.advance(Event.BEGIN_STEP)
         with self.failing_group():
+            self.end_read()  # a reader's writes are in the accumulator before the fence
             rows = self.link.job_rows(self.round(RoundKind.FENCE, self.ledger.fence_vector()))
+            point("fence.exit")
             totals = MicroBatchLedger.totals(rows)
             divisor = totals.gradient_divisor(len(rows), update.gradient_accumulation_steps)
             self.ledger.reset()
@@ -192,10 +204,11 @@ class StepProtocol:
             update.apply(GlobalNorms(self.link.job_sum(rows.sum(0))))
             # zeroed before the other nodes are told the update is done: with global sharding their ranks push
             # here as soon as they have published
+            point("accumulator.zero")
             accumulator.zero_()
-            self.folded = None
             self.link.gather_windows(self.transport.local_param_window(), self.blocks)
             self.machine.advance(Event.UPDATED)
+            point("publish")
             self.round(RoundKind.PUBLISH, torch.zeros(0, dtype=torch.float64))
             self.machine.advance(Event.PUBLISHED)
         self.step_number += 1
@@ -213,6 +226,7 @@ class StepProtocol:
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
             if kind is RoundKind.WINDOWS_REWRITTEN:
+                point("window.rewrite")
                 self.link.gather_windows(self.transport.local_param_window(), self.blocks, frozen=True)
             rows = self.round(kind, torch.zeros(0, dtype=torch.float64) if values is None else values, what)
             if kind is RoundKind.BARRIER:
@@ -226,14 +240,51 @@ class StepProtocol:
         with self.failing_group(what):
             return GlobalNorms(self.link.job_sum(rows.sum(0)))
 
-    def sync_gradients(self, what: str) -> None:
-        """A gradient fence without a step: afterwards this owner's accumulator holds every rank's
-        pushes so far (see the module docstring), on several nodes summed over them. Collective."""
-        self.meet(RoundKind.GRADIENT_FENCE, what)
+    def sync_gradients(self, what: str) -> bool:
+        """A gradient fence without a step (collective): afterwards :attr:`snapshot` holds this owner's
+        gradients of every rank's pushes so far, on several nodes summed over them, and keeps holding them
+        while peers push on ([Note: reads are snapshots]). Returns whether a new copy was taken (False: no
+        rank pushed since the last read, whose copy stays)."""
+        self._usable()
+        self._open()
+        self._require({"grads"}, what)
+        self.machine.advance(Event.MEET)
+        previous = self._activity or Activity.IDLE
         with self.failing_group(what):
-            self._sum_landed(self.transport.local_grad_accumulator())
-        if self.exact:
-            self.folded = what
+            stale = torch.tensor([float(self.snapshot is None)], dtype=torch.float64)  # pushed, or never read
+            # the job's rows: whether to copy must be the same everywhere (summing a copy over nodes is collective);
+            # after a node round, a collective with the other nodes is also a barrier of the job, so pushes sent
+            # from other nodes before their fence have landed
+            rows = self.link.job_rows(self.round(RoundKind.GRADIENT_FENCE, stale, what))
+            point("gradient_fence.exit")
+            copying = bool(rows.sum() > 0)
+            if copying:
+                self.end_read()  # a previous copy's writes go into the accumulator before it is copied again
+                copy = self.transport.local_grad_accumulator().clone()
+                self._sum_landed(copy)
+                own = self.own_trainable or (0, copy.numel() // (2 if self.exact else 1))
+                self.snapshot = GradientSnapshot(copy, own)
+                self.round(RoundKind.GRADIENT_FENCE, torch.zeros(0, dtype=torch.float64), what)  # every owner copied:
+                self.link.settle(what)  # only now may a rank push again, on this node or (global sharding) another
+        self._note(previous, force=True)
+        return copying
+
+    def end_read(self) -> None:
+        """This rank's gradient read ends (its own push, its step, a discard, its accumulator moving away):
+        what readers wrote into the copy goes into the accumulator, through the push path (atomic against the
+        peers' pushes), and ZeRO-3's views are pointed back at the accumulator. Local; no round."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is None:
+            return
+        writes = snapshot.writes()
+        if writes is not None:
+            offset = snapshot.own[0]
+            parts = exact_sum.split(writes) if self.exact else (writes,)
+            region = snapshot.copy.numel() // len(parts)
+            for index, part in enumerate(parts):
+                self.transport.accumulate(self.transport.rank, offset + index * region, part)
+        if self.on_gradients_moved is not None:
+            self.on_gradients_moved()
 
     def _sum_landed(self, accumulator: torch.Tensor) -> torch.Tensor:
         """Every push has landed (after a fence): sum the accumulator over nodes, and under exact sums fold the
@@ -263,12 +314,13 @@ class StepProtocol:
         previous = self._activity or Activity.IDLE
         empty = torch.zeros(0, dtype=torch.float64)
         with self.failing_group(what):
+            self.end_read()  # ZeRO-3's discarded partitions held the writes too (a step with no backward uses them)
             self.round(RoundKind.DISCARD, empty, what)
             self.link.settle(what)  # pushes from other nodes (global sharding) have landed too
             accumulator = self.transport.local_grad_accumulator()
             self._discarded = accumulator.clone()
+            point("accumulator.zero")
             accumulator.zero_()
-            self.folded = None
             self.ledger.reset()
             self.round(RoundKind.DISCARD, empty, what)
             self.link.settle(what)  # and no rank of another node pushes before every owner has zeroed
@@ -309,6 +361,7 @@ class StepProtocol:
         with self.failing_group(RoundKind.OPEN.text):
             if self.on_open is not None:
                 self.on_open()
+            point("open")
             self.link.gather_windows(self.transport.local_param_window(), self.blocks, frozen=True)
             self.round(RoundKind.OPEN, torch.zeros(0, dtype=torch.float64))
 
@@ -320,6 +373,7 @@ class StepProtocol:
         previous = self._activity or Activity.IDLE
         self._note(Activity.SAVING, force=True)
         with self.failing_group("saving a checkpoint"):
+            point("save")
             yield
         self._note(previous, force=True)
 
@@ -351,6 +405,8 @@ class StepProtocol:
         if hasattr(err, "add_note"):
             err.add_note(f"ds_odc: rank {self.transport.job_rank} marked the ODC group failed (its peers raise at "
                          "their next rendezvous); this engine cannot continue: call engine.destroy()")
+            if described_schedule():
+                err.add_note(f"ds_odc: under {described_schedule()}: rerun with the same value to reproduce")
 
     def _usable(self) -> None:
         if self.phase is Phase.FAILED:
@@ -381,6 +437,7 @@ class StepProtocol:
         crash.unwatch(self)
 
     def close(self) -> None:
+        self.snapshot = None
         if self.phase is not Phase.CLOSED:
             if self.transport.plane is not None and self.phase is not Phase.FAILED:
                 self._note(Activity.CLOSED, force=True)

@@ -35,6 +35,7 @@ def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
     out_dir = tmp_path_factory.mktemp("global_cases")
     names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",
                      f"budget_ckpt:{tmp_path_factory.mktemp('budget_ckpt')}",
+                     f"interleavings:{tmp_path_factory.mktemp('interleavings')}",
                      "global_sp_refusal")  # last: its SP mpu stays registered for every later engine
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
@@ -396,3 +397,26 @@ def test_what_budget_does_not_support_yet_is_refused_by_name(cases):
         assert error == "ODCConfigError" and "cross_node='budget'" in message, (rank, message)
         error, message = result["offload_param"]
         assert error == "ODCConfigError" and "offload_param" in message and "cross_node='budget'" in message, message
+
+
+@pytest.mark.parametrize("mode", ["replicate", "global", "budget"])
+def test_reads_and_writes_racing_a_faster_rank_across_nodes_equal_zero3(cases, mode):
+    """Rank 1 reads (``get_fp32_grad_partitions``, ``safe_get_local_grad``) or writes (``safe_set_full_grad``,
+    ``safe_set_local_grad``) gradients while a faster rank, on its node (replicate) or on the other node (global,
+    budget), has already pushed its next micro-batch; and a ``zero_grad`` that the faster rank must not overtake.
+    What rank 1 was handed does not move, and every step equals ZeRO-3's on the same 4 ranks ([Note: reads are
+    snapshots]; tests/support/interleaving_workloads.py)."""
+    for rank, result in enumerate(cases["interleavings"]):
+        zero3, odc = result["zero3"], result[mode]
+        for call, seen in odc.items():
+            assert seen["cross_node"] == mode, (call, seen["cross_node"])
+            assert not seen["pending"], (call, seen["pending"])
+            if "still" in seen:
+                for handed, still in zip(seen["handed"], seen["still"], strict=True):
+                    assert torch.equal(handed, still), (rank, call)
+                for a, b in zip(seen["handed"], zero3[call]["handed"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert worst_rel_diff(seen["grads"], zero3[call]["grads"]) <= 1e-5, (rank, call)
+            assert worst_rel_diff(seen["params"], zero3[call]["params"]) <= 1e-5, (rank, call)
+        [(_, signal, _)] = odc["zero_grad"]["held"] if rank == 1 else [(None, "", None)]
+        assert signal == "", "the faster rank pushed while rank 1 was inside zero_grad"

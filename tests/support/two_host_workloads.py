@@ -182,6 +182,7 @@ def cases(names, out_dir):
         checkpoint_workloads,
         deterministic_workloads,
         global_workloads,
+        interleaving_workloads,
         offload_states_workloads,
         sync_workloads,
         workloads,
@@ -237,6 +238,8 @@ def cases(names, out_dir):
                                                                        odc=options)}
         elif name == "global_delayed":
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
+        elif name.startswith("interleavings:"):
+            result = interleaving_workloads.across_nodes(name.split(":", 1)[1])
         elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto", "global_sp_refusal"):
             result = getattr(global_workloads, name[len("global_"):])()
         else:

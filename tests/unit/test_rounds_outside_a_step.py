@@ -1,6 +1,8 @@
 """Rounds outside a step, in one process (ranks are threads over the real control plane): the open
 round, the gradient fence, the discard, batched pulls, and the exchanges of values and norms between
 steps that frameworks and ZeRO-3's gradient reads use."""
+import threading
+
 import pytest
 import torch
 
@@ -202,3 +204,93 @@ def test_gradient_norms_between_backward_and_step_sum_every_owner_and_leave_the_
     expected = (32 * 3.0 ** 2) ** 0.5  # every element: (2 + 4) / 2 = 3, over 2 owners x 16 elements
     for ok, (between, at_step) in results:
         assert ok and between == pytest.approx(expected) and at_step == pytest.approx(expected)
+
+
+# -- gradient reads are snapshots ([Note: reads are snapshots]) ---------------------------------------------
+class _Seen(Update):
+    """Records the owner's gradients the update saw (after the fence's division)."""
+
+    def apply(self, norms):
+        self.seen = self.transport.local_grad_accumulator()[:8].clone()
+        super().apply(norms)
+
+
+def test_a_gradient_read_is_not_changed_by_a_faster_peer_s_next_push_and_its_writes_reach_the_step():
+    """Rank 0 pushes its next micro-batch while rank 1 still holds what its read handed it (a live view of the
+    accumulator moved under the reader, issue: DeepSpeed's test_param_persistence_threshold under load). Rank 1
+    then writes into its copy: the step sees the write plus rank 0's later push, none lost."""
+    group = LoopbackGroup(2)
+    pushed, looked = threading.Event(), threading.Event()
+
+    def rank_fn(rank, transport):
+        runtime = runtime_for(transport, numel=8)
+        runtime.push(0, torch.full((16,), 2.0))
+        runtime.record_micro_batch(LossNormalization.CALLER)
+        runtime.sync_gradients("optimizer.get_fp32_grad_partitions()")
+        handed = runtime.own_gradients()
+        at_read = handed.clone()
+        if rank == 0:
+            runtime.push(0, torch.full((16,), 6.0))  # the faster rank's next micro-batch, while rank 1 reads
+            runtime.record_micro_batch(LossNormalization.CALLER)
+            pushed.set()
+            assert looked.wait(10)
+        else:
+            assert pushed.wait(10)
+            after_peer = handed.clone()
+            handed[:4] = 10.0  # safe_set_local_grad: a write into what the read handed
+            looked.set()
+        update = _Seen(transport)
+        runtime.step(update)
+        return at_read, None if rank == 0 else after_peer, update.seen
+
+    results = group.run(rank_fn)
+    assert all(ok for ok, _ in results), results
+    (read0, _, step0), (read1, after1, step1) = (value for _, value in results)
+    assert read0.tolist() == read1.tolist() == [2.0] * 8  # (2 + 2) / 2
+    assert after1.tolist() == [2.0] * 8  # rank 0's next push did not move what rank 1 was handed
+    # the step divides by the 3 micro-batches' mean (CALLER: 1); rank 0 owns [0, 8), rank 1 [8, 16)
+    assert step0.tolist() == [5.0] * 8  # 2 + 6 / 2
+    assert step1.tolist() == [10.0 + 3.0] * 4 + [5.0] * 4  # rank 1's write (10), then rank 0's later push (3)
+
+
+def test_reads_in_a_row_with_no_push_between_reuse_one_copy_and_one_round():
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        runtime = runtime_for(transport, numel=8)
+        runtime.push(0, torch.full((16,), 2.0))
+        rounds = transport.exchanges
+        copies = [runtime.sync_gradients(f"read {i}") for i in range(3)]
+        first_three = transport.exchanges - rounds
+        runtime.push(0, torch.full((16,), 2.0))  # this rank's push ends its copy: the next read copies again
+        copies.append(runtime.sync_gradients("read after a push"))
+        runtime.record_micro_batch(LossNormalization.CALLER)
+        runtime.step(Update(transport))
+        return copies, first_three
+
+    for ok, value in group.run(rank_fn):
+        assert ok, value
+        copies, first_three = value
+        assert copies == [True, False, False, True]
+        assert first_three == 2 + 1 + 1  # a fence and the copied round; then one fence round per reuse
+
+
+def test_a_read_s_copy_ends_at_this_rank_s_next_push_and_the_views_move_back():
+    group = LoopbackGroup(2)
+
+    def rank_fn(rank, transport):
+        moved = []
+        layout = WindowLayout()
+        layout.add_trainable(0, 16, 8)
+        runtime = ODCRuntime(transport, layout, MicroBatchLedger(), on_gradients_moved=lambda: moved.append(1))
+        runtime.push(0, torch.ones(16))
+        runtime.sync_gradients("a read")
+        during = runtime.own_gradients().data_ptr() != transport.local_grad_accumulator().data_ptr()
+        runtime.push(0, torch.ones(16))
+        after = runtime.own_gradients().data_ptr() == transport.local_grad_accumulator().data_ptr()
+        runtime.record_micro_batch(LossNormalization.CALLER)
+        runtime.step(Update(transport))
+        return during, after, len(moved)
+
+    for ok, value in group.run(rank_fn):
+        assert ok and value == (True, True, 1), value
