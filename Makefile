@@ -1,6 +1,9 @@
 # make demo : set up .venv if needed, then train the example causal LM on 2 CPU ranks with "stage": "odc"
-# make test : set up .venv if needed, then run the whole test suite
-# make test-unit : the seconds-long loop (tests/unit: no processes spawned)
+# make test : set up .venv if needed, then run the whole test suite (two workers where tests/workers.py can isolate
+#   them; ODC_TEST_WORKERS=1 for one process), but for the release surfaces
+# make test-unit : the seconds-long loop (tests/unit: no processes spawned, no network)
+# make test-releases : every private name against the source of every release in the declared ranges (downloads
+#   sdists into ~/.cache/ds_odc/sdists once; CI runs it after make test)
 # make lint / make typecheck : ruff and mypy, with the settings in pyproject.toml (CI runs both before the tests;
 #   mypy must find no error anywhere in ds_odc/)
 # make test-perturbed : opt-in: the contract and parity suites under CPU contention and schedule perturbation,
@@ -13,7 +16,7 @@ export OMP_NUM_THREADS := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 STEPS ?= 100
 
-.PHONY: venv demo test test-unit test-perturbed lint typecheck schema
+.PHONY: venv demo test test-unit test-releases test-perturbed lint typecheck schema
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -22,10 +25,14 @@ demo: venv
 	.venv/bin/torchrun --nproc_per_node 2 --master_port 29571 examples/train_causal_lm.py --steps $(STEPS)
 
 test: venv
-	.venv/bin/python -m pytest tests
+	ODC_WORKER_PYTHON=$(CURDIR)/.venv/bin/python .venv/bin/python -m pytest tests -m "not release_surfaces" \
+		$$(.venv/bin/python tests/workers.py)
 
 test-unit: venv
-	.venv/bin/python -m pytest tests/unit
+	.venv/bin/python -m pytest tests/unit -m "not release_surfaces"
+
+test-releases: venv
+	.venv/bin/python -m pytest tests/unit/test_release_surfaces.py
 
 test-perturbed: venv
 	.venv/bin/python tests/compat/run_perturbed.py

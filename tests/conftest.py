@@ -10,6 +10,11 @@ TESTS = pathlib.Path(__file__).resolve().parent
 #: They only label: every test still runs by default, and ``-m "not distributed"`` and the like select.
 MARKERS_BY_DIRECTORY = {"distributed": "distributed", "gpu": "gpu"}
 MARKERS_BY_FILE = {"test_two_hosts.py": "multi_host", "test_two_hosts_global.py": "multi_host"}
+#: The longest files, longest first (measured: tests/README.md). They are collected first, so that with several
+#: workers (tests/workers.py) none of them starts last and leaves one worker running alone at the end.
+LONGEST_FIRST = ["test_two_hosts_global.py", "test_two_hosts.py", "test_fault_matrix.py", "test_split_runtime.py",
+                 "test_hf_balance.py", "test_combinations.py", "test_offload_states.py", "test_sequence_parallel.py",
+                 "test_gpu_kit_smoke.py", "test_benchmark_smoke.py", "test_step_failures.py"]
 
 
 def pytest_report_header(config):
@@ -44,6 +49,8 @@ def perturbed_in_process():
 
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(pathlib.Path(item.path).name, len(rank)))  # stable: the rest keep their order
     for item in items:
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(TESTS).parts
