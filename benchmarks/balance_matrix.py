@@ -93,8 +93,12 @@ def _run_cell(rank, cell):
     return result
 
 
-def run_cell(cell, timeout_s=1800):
-    return cells.run_cell(_run_cell, WORLD, cell, cell["label"], timeout_s)
+#: What a smoke run's forkserver imports once (benchmarks/cells.py): most of a fresh rank's start.
+SMOKE_PRELOAD = ("torch", "deepspeed", "ds_odc")
+
+
+def run_cell(cell, timeout_s=1800, smoke=False):
+    return cells.run_cell(_run_cell, WORLD, cell, cell["label"], timeout_s, preload=SMOKE_PRELOAD if smoke else None)
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -275,7 +279,7 @@ def main():
                         "policy": policy, "steps": plan_steps, "warmup": args.warmup, "metrics": True,
                         "keep_events": keep_events, "token_cap": token_cap}
                 started = time.perf_counter()
-                results = run_cell(cell)
+                results = run_cell(cell, smoke=args.smoke)
                 collected[(engine, policy)].append((cell, results, plans))
                 print(f"round {round_number} {label:42s} median step "
                       f"{statistics.median(step_seconds(results)):.3f} s ({time.perf_counter() - started:.0f} s)",

@@ -1,7 +1,8 @@
 """Running one benchmark cell: ``world`` fresh spawned processes, results back through a queue.
 
-Fresh processes per cell, so that each cell's peak memory and warm-up are its own. ``run(rank, cell)``
-returns the rank's result (a dict) and must be a module-level function (spawn imports it by name).
+Fresh processes per cell, so that each cell's peak memory and warm-up are its own. A smoke run, which measures
+nothing, may fork its ranks from a forkserver that imported the heavy modules once (``preload``) instead.
+``run(rank, cell)`` returns the rank's result (a dict) and must be a module-level function (spawn imports it by name).
 
 Where a cell computes (:func:`accelerator_of`): a cell whose ``"device"`` is a CUDA device gets DeepSpeed's
 CUDA accelerator and torch's default threads; every other cell the CPU accelerator and one thread (the CPU
@@ -37,9 +38,15 @@ def _rank_main(run, rank, world, port, cell, queue):
         raise
 
 
-def run_cell(run, world: int, cell: dict, label: str, timeout_s: float) -> list[dict]:
-    """Every rank's result, in rank order; raises naming the cell and rank on a failure or timeout."""
-    ctx = mp.get_context("spawn")
+def run_cell(run, world: int, cell: dict, label: str, timeout_s: float, preload=None) -> list[dict]:
+    """Every rank's result, in rank order; raises naming the cell and rank on a failure or timeout. ``preload``
+    (smoke runs only: the ranks' memory and warm-up are then not their own): the modules a forkserver imports once
+    for every cell of this process, whose ranks it forks."""
+    if preload:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+    else:
+        ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

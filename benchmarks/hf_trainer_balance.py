@@ -20,7 +20,8 @@ utilisation per rank from ``ds_odc.metrics`` (attached to ZeRO-3 too), peak RSS 
 (``Σ_m max_rank`` over ``max_rank Σ_m``, communication free), over the measured steps.
 
     .venv/bin/python benchmarks/hf_trainer_balance.py              # updates docs/benchmarks.md and the PNG
-    .venv/bin/python benchmarks/hf_trainer_balance.py --quick      # smoke run, nothing written
+    .venv/bin/python benchmarks/hf_trainer_balance.py --quick      # 2 measured steps, nothing written
+    .venv/bin/python benchmarks/hf_trainer_balance.py --smoke      # 1 warm-up and 1 measured step (the test's)
     .venv/bin/python benchmarks/hf_trainer_balance.py --only odc+lb-mini --samples-per-rank 4 --measured 24
                                                                    # one cell, for whole-process timing
 """
@@ -141,8 +142,13 @@ def _run_cell(rank: int, cell: dict) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_cell(cell, timeout_s=1200):
-    return cells.run_cell(_run_cell, WORLD, cell, cell["method"], timeout_s)
+#: What a smoke run's forkserver imports once (benchmarks/cells.py): most of a fresh rank's start.
+SMOKE_PRELOAD = ("torch", "deepspeed", "ds_odc", "transformers", "transformers.trainer",
+                 "transformers.models.llama.modeling_llama")
+
+
+def run_cell(cell, timeout_s=1200, smoke=False):
+    return cells.run_cell(_run_cell, WORLD, cell, cell["method"], timeout_s, preload=SMOKE_PRELOAD if smoke else None)
 
 
 # -- summary --------------------------------------------------------------------------------------------
@@ -208,6 +214,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples-per-rank", default="4,8")
     parser.add_argument("--quick", action="store_true", help="2 measured steps, b=2, nothing written")
+    parser.add_argument("--smoke", action="store_true", help="1 warm-up and 1 measured step, b=2, nothing written "
+                        "(tests/distributed/test_benchmark_smoke.py: the cells start, train and report)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every cell (interleaved); medians kept")
     parser.add_argument("--only", choices=METHODS, help="run one cell (for whole-process timing), print its "
                         "median step; with --measured steps")
@@ -219,16 +227,18 @@ def main() -> None:
                             "measured": options.measured, "seed": 0})
         print(f"{options.only} b={b}: median step {statistics.median(results[0]['step_s']):.3f}s")
         return
+    options.quick = options.quick or options.smoke
     sizes = [2] if options.quick else [int(b) for b in options.samples_per_rank.split(",")]
-    measured = 2 if options.quick else options.measured
+    measured = 1 if options.smoke else 2 if options.quick else options.measured
+    warmup = 1 if options.smoke else 2
     table, reports = {}, {}
     for b in sizes:
         runs: dict = {m: [] for m in METHODS}
         for round_ in range(options.rounds):
             for method in METHODS:
-                cell = {"method": method, "samples_per_rank": b, "warmup": 2, "measured": measured, "seed": 0}
+                cell = {"method": method, "samples_per_rank": b, "warmup": warmup, "measured": measured, "seed": 0}
                 started = time.time()
-                results = run_cell(cell)
+                results = run_cell(cell, smoke=options.smoke)
                 runs[method].append(results)
                 print(f"b={b} {method} round {round_}: median step {statistics.median(results[0]['step_s']):.3f}s "
                       f"({time.time() - started:.0f}s)", flush=True)

@@ -27,9 +27,10 @@ def test_balance_matrix_smoke_run(tmp_path):
 
 
 def test_hf_trainer_balance_smoke_run():
-    """Every cell of the Trainer benchmark starts, trains, and reports (2 timed steps; nothing written)."""
+    """Every cell of the Trainer benchmark starts, trains, and reports (one warm-up and one timed step; nothing
+    written)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "hf_trainer_balance.py"), "--quick"]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "hf_trainer_balance.py"), "--smoke"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     table = json.loads(done.stdout[done.stdout.index("{\n"):])

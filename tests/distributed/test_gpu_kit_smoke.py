@@ -4,6 +4,12 @@ wheel of this checkout into a private folder, every pytest item imports that whe
 every item runs in its own process group, and results.json and the closing line say what happened. The
 CUDA-only items must say they cannot be measured here, never pass.
 
+The run takes one item of each kind the first command has (a one-rank pytest item, a parity item with its
+figures, a fault item, the CUDA-only ones); the items it leaves out run the same runner path with another
+selection, and each of those selections is collected (it names tests that exist and load on CPU ranks). The
+transport conformance and 4-rank parity they would run are tests/distributed/test_transport_conformance.py and the
+parity suites, run on their own.
+
 And what a device command killed at its limit leaves: results.json naming the item that was running, and
 that item's output so far, in the output folder."""
 import json
@@ -16,11 +22,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIT = os.path.join(ROOT, "scripts", "gpu_validate.py")
 
-ORDER = ["machine", "setup", "cuda-op", "kernel-sweep", "smoke", "conformance-core", "conformance-edges",
-         "parity-2-fp32", "parity-4-bf16-token", "fault-push", "bandwidth", "overlap"]
-PASSING = ["machine", "setup", "smoke", "conformance-core", "conformance-edges", "parity-2-fp32",
-           "parity-4-bf16-token", "fault-push"]
+ORDER = ["machine", "setup", "cuda-op", "kernel-sweep", "smoke", "parity-2-fp32", "fault-push", "bandwidth", "overlap"]
+PASSING = ["machine", "setup", "smoke", "parity-2-fp32", "fault-push"]
 NOT_MEASURABLE_HERE = ["cuda-op", "kernel-sweep", "bandwidth", "overlap"]
+#: The first command's items the run leaves out: their selections are collected instead.
+COLLECTED_ONLY = ["conformance-core", "conformance-edges", "parity-4-bf16-token"]
+RUN = [name for name in ORDER if name not in ("machine", "setup", "cuda-op")]
 
 
 def _env():
@@ -29,7 +36,7 @@ def _env():
 
 def test_the_first_command_runs_end_to_end_on_cpu_ranks(tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, KIT, "--cpu-smoke", "--out", str(out)], env=_env(), cwd=ROOT,
+    done = subprocess.run([sys.executable, KIT, "--cpu-smoke", "--only", *RUN, "--out", str(out)], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
@@ -50,6 +57,35 @@ def test_the_first_command_runs_end_to_end_on_cpu_ranks(tmp_path):
     assert sorted(os.listdir(out)) == ["log.txt", "results.json"]  # within the device's 8 files, no folder
     log = (out / "log.txt").read_text()
     assert f"ds_odc from {results['work']}" in log or "(the installed wheel)" in log  # not the checkout's
+
+
+def test_the_items_left_out_of_the_smoke_select_tests_that_load_on_cpu_ranks():
+    """One collection of their test files on CPU ranks (as the kit's items see them: the shm transport), and each
+    item's ``-k`` selection matched against it as pytest matches names."""
+    from _pytest.mark.expression import Expression
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gpu_validation import items
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    ctx = items.Context(ROOT, "<work>", sys.executable, "", "", cpu_smoke=True)
+    first = {item.name: item for item in items.first(ctx)}
+    assert set(first) == set(RUN) | set(COLLECTED_ONLY), sorted(first)  # every item is run above or collected here
+    selections, paths = {}, []
+    for name in COLLECTED_ONLY:
+        command = first[name].command
+        selections[name] = command[command.index("-k") + 1]
+        paths += [part for part in command if part.startswith("tests/") and part not in paths]
+    env = {**_env(), **{k: v for k, v in first[COLLECTED_ONLY[0]].env.items() if k != "PYTHONPATH"}}
+    done = subprocess.run([sys.executable, "-m", "pytest", *paths, "-p", "no:cacheprovider", "--collect-only"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    for name, selection in selections.items():
+        expression = Expression.compile(selection)
+        chosen = [test for test in collected if expression.evaluate(lambda word, test=test: word in test)]
+        assert chosen, (name, selection, collected)
 
 
 def test_a_kit_killed_in_the_middle_of_an_item_leaves_results_and_that_item_s_output(tmp_path):

@@ -55,11 +55,12 @@ def hosts():
     assert not _our_namespaces(names), f"namespaces left behind: {names}"
 
 
-def _launch(hosts, launcher, stage, out_dir, timeout=TRAIN_TIMEOUT_S):
-    """Launch the training script on both nodes, as users do; returns (results, per-rank json files)."""
+def _launch(hosts, launcher, stages, out_dir, timeout=TRAIN_TIMEOUT_S):
+    """Launch the training script on both nodes, as users do, training each of ``stages`` in turn in the same job;
+    returns (results, {stage: per-rank json files}), the hello files under each stage."""
     out_dir.mkdir()
     port = str(next(_ports))
-    script = [SCRIPT, "train", str(stage), str(out_dir)]
+    script = [SCRIPT, "train", ",".join(str(stage) for stage in stages), str(out_dir)]
     if launcher == "torchrun":
         argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
                   "--master_addr", hosts.master_addr, "--master_port", port, *script] for i in range(2)]
@@ -69,10 +70,12 @@ def _launch(hosts, launcher, stage, out_dir, timeout=TRAIN_TIMEOUT_S):
         argvs = [[os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
                   "--master_addr", hosts.hosts[0].hostname, "--master_port", port, *script] for i in range(2)]
     results = hosts.run_on_both(argvs, timeout=timeout)
+    hello = {path.stem: json.loads(path.read_text()) for path in out_dir.glob("*.json")}
     files = {}
-    for path in out_dir.iterdir():
-        if path.suffix == ".json":
-            files[path.stem] = json.loads(path.read_text())
+    for stage in stages:
+        files[str(stage)] = dict(hello)
+        for path in (out_dir / str(stage)).glob("*.json") if (out_dir / str(stage)).is_dir() else ():
+            files[str(stage)][path.stem] = json.loads(path.read_text())
     return results, files
 
 
@@ -125,30 +128,35 @@ def test_each_host_has_its_own_hostname_and_dev_shm(hosts, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def zero3_launches(hosts, tmp_path_factory):
-    """ZeRO-3's run of the training script under each launcher, made once for the module: the launcher tests
-    check them, and the odc test compares its losses with them whichever tests are selected."""
-    return {launcher: _launch(hosts, launcher, 3, tmp_path_factory.mktemp(f"zero3_{launcher}") / "out")
+def launches(hosts, tmp_path_factory):
+    """The training script under each launcher, made once for the module, ZeRO-3 then the odc stage in the same
+    job (a launch on both hosts costs far more than a few steps): the launcher tests check ZeRO-3's runs, and the
+    odc test compares its losses with them whichever tests are selected."""
+    return {launcher: _launch(hosts, launcher, (3, "odc"), tmp_path_factory.mktemp(f"train_{launcher}") / "out")
             for launcher in ("torchrun", "deepspeed")}
 
 
-def test_torchrun_across_two_hosts_trains_zero3(zero3_launches):
-    _check_training(*zero3_launches["torchrun"])
+def _stage(launch, stage):
+    results, files = launch
+    return results, files[str(stage)]
 
 
-def test_deepspeed_launcher_no_ssh_across_two_hosts_trains_zero3(zero3_launches):
-    ranks = _check_training(*zero3_launches["deepspeed"])
-    torchrun = _check_training(*zero3_launches["torchrun"])  # the same job, whichever launcher started it
+def test_torchrun_across_two_hosts_trains_zero3(launches):
+    _check_training(*_stage(launches["torchrun"], 3))
+
+
+def test_deepspeed_launcher_no_ssh_across_two_hosts_trains_zero3(launches):
+    ranks = _check_training(*_stage(launches["deepspeed"], 3))
+    torchrun = _check_training(*_stage(launches["torchrun"], 3))  # the same job, whichever launcher started it
     assert ranks[0]["mean_losses"] == pytest.approx(torchrun[0]["mean_losses"], rel=1e-6)
 
 
-def test_odc_trains_across_two_hosts_with_both_launchers_as_zero3_does(hosts, zero3_launches, tmp_path):
+def test_odc_trains_across_two_hosts_with_both_launchers_as_zero3_does(launches):
     """The same script with ``"stage": "odc"``: every rank runs an ODCEngine, the 4 ranks agree, and
     the losses are ZeRO-3's (its run under the same launcher, same data and config)."""
     for launcher in ("torchrun", "deepspeed"):
-        zero3 = _check_training(*zero3_launches[launcher])
-        results, files = _launch(hosts, launcher, "odc", tmp_path / launcher)
-        ranks = _check_training(results, files, engine="ODCEngine")
+        zero3 = _check_training(*_stage(launches[launcher], 3))
+        ranks = _check_training(*_stage(launches[launcher], "odc"), engine="ODCEngine")
         assert all(rank["shm_after"] == [] for rank in ranks), [rank["shm_after"] for rank in ranks]
         assert ranks[0]["mean_losses"] == pytest.approx(zero3[0]["mean_losses"], rel=1e-6), launcher
 

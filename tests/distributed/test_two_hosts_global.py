@@ -296,7 +296,18 @@ def test_a_stalled_remote_owner_is_named_by_every_rank_within_the_bound(hosts, t
     layers' reduce-scatter, its partner rank 1 then waiting in that collective: the others' pulls from it, their
     rounds and that collective wait timeout_s (5 s), then every survivor raises naming rank 3; both /dev/shm
     empty."""
+    import signal
+    import time
+
     out_dir, procs = _launch_failure(hosts, tmp_path, case)
+    end = time.monotonic() + TRAIN_TIMEOUT_S  # every survivor has named it: the stopped rank may go (it would
+    while time.monotonic() < end and not all((out_dir / f"stalled_rank{r}.json").exists() for r in (0, 1, 2)):
+        time.sleep(0.1)  # resume 30 s after it stopped, long after the bound asserted below)
+    if (out_dir / "stopped_pid").exists():
+        try:
+            os.kill(int((out_dir / "stopped_pid").read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
     logs = _logs(results)
     reports = _reports(out_dir, "stalled", (0, 1, 2), logs)
@@ -401,9 +412,9 @@ def test_what_budget_does_not_support_yet_is_refused_by_name(cases):
 
 @pytest.mark.parametrize("mode", ["replicate", "global", "budget"])
 def test_reads_and_writes_racing_a_faster_rank_across_nodes_equal_zero3(cases, mode):
-    """Rank 1 reads (``get_fp32_grad_partitions``, ``safe_get_local_grad``) or writes (``safe_set_full_grad``,
-    ``safe_set_local_grad``) gradients while a faster rank, on its node (replicate) or on the other node (global,
-    budget), has already pushed its next micro-batch; and a ``zero_grad`` that the faster rank must not overtake.
+    """Rank 1 reads (``get_fp32_grad_partitions``) or writes (``safe_set_full_grad``) gradients while a faster rank,
+    on its node (replicate) or on the other node (global, budget), has already pushed its next micro-batch; and a
+    ``zero_grad`` that the faster rank must not overtake.
     What rank 1 was handed does not move, and every step equals ZeRO-3's on the same 4 ranks ([Note: reads are
     snapshots]; tests/support/interleaving_workloads.py)."""
     for rank, result in enumerate(cases["interleavings"]):

@@ -341,12 +341,16 @@ def _destroyed(engine, result: dict) -> dict:
 
 
 def stalled(out_dir: str, odc: dict = GLOBAL, where: str = "forward", victim: int = 3, timeout_s: float = 5.0) -> None:
-    """Rank ``victim`` stops (SIGSTOP, resumed 30 s later) before step 1's forward, or with ``where`` "sum" inside
-    the step as it enters its link's gradient sum (its partner on the other node is then inside that collective:
-    under the budget BudgetLink's reduce-scatter): the others' pulls from it, their rounds and that collective
-    wait ``timeout_s``, then every survivor raises naming it. ``odc``: as :func:`killed`."""
+    """Rank ``victim`` stops (SIGSTOP, resumed 30 s later unless the test kills it first: its pid is in
+    ``stopped_pid``) before step 1's forward, or with ``where`` "sum" inside the step as it enters its link's gradient
+    sum (its partner on the other node is then inside that collective: under the budget BudgetLink's
+    reduce-scatter): the others' pulls from it, their rounds and that collective wait ``timeout_s``, then every
+    survivor raises naming it. ``odc``: as :func:`killed`."""
     rank = tdist.get_rank()
     engine = _engine_after_step_zero(timeout_s, odc)
+    if rank == victim:
+        with open(os.path.join(out_dir, "stopped_pid"), "w") as pid_file:
+            pid_file.write(str(os.getpid()))
     if rank == victim and where == "sum":
         link = _runtime(engine).link
         summing = link.reduce_gradients

@@ -43,7 +43,7 @@ import socket
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
@@ -60,6 +60,7 @@ class RankHang(AssertionError):
 class RunReport:
     hung_ranks: List[int]
     outcomes: dict  # rank -> ("ok", value) or ("error", traceback)
+    pids: List[int] = field(default_factory=list)  # the ranks' processes (all ended, or killed, by now)
 
 
 def free_port() -> int:
@@ -99,11 +100,15 @@ def _tail(path: str, lines: int = 25) -> str:
 
 #: What the forkserver imports once; ranks forked from it start with these modules loaded. Besides the
 #: obvious ones, building the first optimizer imports torch._dynamo (torch.optim's compile guard) and
-#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded. First of all,
-#: forkserver_setup keeps those imports from initialising CUDA (see there).
+#: DeepSpeed's Muon module: ~8 s per fresh process on this machine, ~0 when preloaded; transformers' Llama and
+#: Trainer: 3.4 s per rank of every Hugging Face test; forkserver_warm: DeepSpeed's operator probe and its
+#: shared-memory collective (0.1-0.4 s per rank of every launch). First of all, forkserver_setup keeps those
+#: imports from initialising CUDA (see there).
 PRELOAD = ["tests.support.forkserver_setup", "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.engine",
            "deepspeed.runtime.zero.stage3",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.support.workloads"]
+           "deepspeed.runtime.zero.muon.muon_optimizer", "ds_odc", "ds_odc.engine", "tests.support.workloads",
+           "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
+           "tests.support.forkserver_warm"]
 
 
 BACKENDS = ("gloo", "nccl")
@@ -228,7 +233,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
         os.unlink(path) if os.path.exists(path) else None
     os.rmdir(log_dir)
     if report:
-        return RunReport(hung, collected)
+        return RunReport(hung, collected, [proc.pid for proc in procs])
     errors = {r: v for r, (s, v) in collected.items() if s == "error"}
     if errors:
         raise RankFailure("\n".join(f"--- rank {r} failed ---\n{tb}\n--- rank {r} output (tail) ---\n{tails[r]}"

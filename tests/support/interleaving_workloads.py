@@ -165,11 +165,11 @@ def interleavings(stage, calls, forced: bool, directory: str, ckpt_dir: str, odc
     return {call: _scenario(stage, call, forced, directory, ckpt_dir, odc, reader, faster) for call in calls}
 
 
-#: On two hosts (2 nodes x 2 ranks): the reads and writes, and a discard, with rank 1 the slower reader and the
+#: On two hosts (2 nodes x 2 ranks): a read, a write and a discard (one of each path through the copy: the other
+#: calls of each kind take the same path, one node's tests run them all), with rank 1 the slower reader and the
 #: faster rank on its own node (replicate: the node's accumulators are summed over nodes at each read) or on the
 #: other node (global and budget: its pushes reach rank 1's accumulator across nodes).
-ACROSS_NODES_CALLS = ("get_fp32_grad_partitions", "safe_get_local_grad", "safe_set_full_grad", "safe_set_local_grad",
-                      "zero_grad")
+ACROSS_NODES_CALLS = ("get_fp32_grad_partitions", "safe_set_full_grad", "zero_grad")
 ACROSS_NODES_MODES = {"replicate": ({"cross_node": "replicate"}, 0), "global": ({"cross_node": "global"}, 2),
                       "budget": ({"cross_node": "budget", "node_replica_budget_gb": 400 / 2 ** 30}, 2)}
 

@@ -5,12 +5,13 @@
     hosts have, lists /dev/shm again, then waits for the test's ``release`` file so that the test
     can look at the root namespace's /dev/shm while both files exist.
 
-``python two_host_workloads.py train STAGE OUT_DIR`` (under torchrun or the DeepSpeed launcher)
-    ``deepspeed.init_distributed("gloo")``, an all_reduce of the rank ids, then a few steps of a
-    tiny model under DeepSpeed with ``"zero_optimization": {"stage": STAGE}``; writes
-    ``OUT_DIR/hello<rank>.json`` after the all_reduce and ``OUT_DIR/rank<rank>.json`` at the end.
-    An error in ``deepspeed.initialize`` is written to ``OUT_DIR/error<rank>.json`` and then
-    propagates: the rank exits non-zero with its traceback on stderr.
+``python two_host_workloads.py train STAGES OUT_DIR`` (under torchrun or the DeepSpeed launcher)
+    ``deepspeed.init_distributed("gloo")``, an all_reduce of the rank ids, then for each of the comma-separated
+    ``STAGES`` in turn (e.g. ``3,odc``: one launch for both) a few steps of a tiny model under DeepSpeed with
+    ``"zero_optimization": {"stage": STAGE}``; writes ``OUT_DIR/hello<rank>.json`` after the all_reduce and
+    ``OUT_DIR/<STAGE>/rank<rank>.json`` after each stage. An error in ``deepspeed.initialize`` is written to
+    ``OUT_DIR/<STAGE>/error<rank>.json`` and then propagates: the rank exits non-zero with its traceback on
+    stderr.
 
 ``python two_host_workloads.py cases CASES OUT_DIR`` (under torchrun)
     Runs each case of the comma-separated ``CASES`` (names of :data:`CASES`: a workload of
@@ -58,12 +59,10 @@ def isolation(out_dir):
     print(json.dumps(report), flush=True)
 
 
-def train(stage, out_dir):
+def train(stages, out_dir):
     import deepspeed
     import torch
     import torch.distributed as tdist
-
-    from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -74,7 +73,23 @@ def train(stage, out_dir):
              "env_world_size": os.environ.get("WORLD_SIZE"), "rank_sum": ids.item(), "shm": sorted(os.listdir(SHM))}
     _write(os.path.join(out_dir, f"hello{rank}.json"), hello)
     print(f"two-hosts hello {json.dumps(hello)}", flush=True)
+    for stage in stages.split(","):
+        stage_dir = os.path.join(out_dir, stage)
+        os.makedirs(stage_dir, exist_ok=True)
+        result = _train_one(stage, hello, stage_dir)
+        _write(os.path.join(stage_dir, f"rank{rank}.json"), result)
+        print(f"two-hosts done {json.dumps(result)}", flush=True)
+    tdist.destroy_process_group()
 
+
+def _train_one(stage, hello, out_dir):
+    import deepspeed
+    import torch
+    import torch.distributed as tdist
+
+    from tests.support.workloads import ds_config, make_model, micro_batch, mse_mean
+
+    rank, world = hello["rank"], hello["world"]
     config = ds_config(int(stage) if stage.isdigit() else stage)
     try:
         engine, *_ = deepspeed.initialize(model=make_model(), config=config)
@@ -97,11 +112,8 @@ def train(stage, out_dir):
     engine_type = type(engine).__name__
     engine.destroy()
     tdist.barrier()
-    result = {**hello, "engine": engine_type, "losses": losses, "mean_losses": mean_losses,
-              "eval_losses": eval_losses, "shm_after": sorted(os.listdir(SHM))}
-    _write(os.path.join(out_dir, f"rank{rank}.json"), result)
-    print(f"two-hosts done {json.dumps(result)}", flush=True)
-    tdist.destroy_process_group()
+    return {**hello, "engine": engine_type, "losses": losses, "mean_losses": mean_losses,
+            "eval_losses": eval_losses, "shm_after": sorted(os.listdir(SHM))}
 
 
 def _parity_configs(optimizer):
@@ -354,23 +366,38 @@ def killed_on_node1(out_dir, victim=3):
 
 
 def ranks(node, local_world, world, master_addr, master_port, *argv):
-    """Start this node's ranks as plain processes with torch.distributed's environment (as a user's own
-    launcher would), wait for them, and exit with the first non-zero status."""
-    import subprocess
+    """Start this node's ranks with torch.distributed's environment (as a user's own launcher would), wait for
+    them, and exit with the first non-zero status. The ranks are forked from this process once it has imported
+    torch, DeepSpeed, ds_odc and the workloads (as the test harness's forkserver does, and before anything starts a
+    thread): a fresh interpreter per rank spends seconds of CPU importing them, most of a short failure case. Each
+    rank then runs ``argv`` as the script would and exits as a process running it would (an uncaught exception:
+    its traceback and status 1)."""
+    import deepspeed  # noqa: F401 - imported once, before the fork
+    import torch  # noqa: F401
 
-    procs = []
+    import ds_odc  # noqa: F401
+    from tests.support import global_workloads, workloads  # noqa: F401
+
+    pids = []
     for local in range(int(local_world)):
-        env = dict(os.environ, RANK=str(int(node) * int(local_world) + local), LOCAL_RANK=str(local),
-                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=master_addr,
-                   MASTER_PORT=str(master_port))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
-    codes = [proc.wait() for proc in procs]
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into this loop (SystemExit or an exception ends the process)
+            os.environ.update(RANK=str(int(node) * int(local_world) + local), LOCAL_RANK=str(local),
+                              WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=master_addr,
+                              MASTER_PORT=str(master_port))
+            mode, *args = argv
+            MODES[mode](*args)
+            sys.exit(0)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     print(f"two-hosts node {node} exit codes {codes}", flush=True)
     sys.exit(next((c for c in codes if c), 0))
 
+
+MODES = {"isolation": isolation, "train": train, "cases": cases, "ranks": ranks}
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     # the DeepSpeed launcher passes --local_rank=N first (LOCAL_RANK is in the environment too)
     mode, *args = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
-    {"isolation": isolation, "train": train, "cases": cases, "ranks": ranks}[mode](*args)
+    MODES[mode](*args)
