@@ -27,6 +27,7 @@ out a collective that will never complete.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -203,14 +204,14 @@ class TorchDistributedLink(CrossNodeLink):
         rows = rows.to(self.small_device).contiguous()
         out = torch.empty((self.node_count * rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype,
                           device=self.small_device)
-        self._run(tdist.all_gather_into_tensor(out, rows, group=self.cross_group, async_op=True),
+        self._run(lambda: tdist.all_gather_into_tensor(out, rows, group=self.cross_group, async_op=True),
                   "gathering every node's micro-batch counts")
         return out.cpu()
 
     def job_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the nodes (each node contributes its node-wide partial)."""
         total = values.to(self.small_device, copy=True)
-        self._run(tdist.all_reduce(total, group=self.cross_group, async_op=True),
+        self._run(lambda: tdist.all_reduce(total, group=self.cross_group, async_op=True),
                   "summing the gradient norm over nodes")
         return total.cpu()
 
@@ -220,7 +221,7 @@ class TorchDistributedLink(CrossNodeLink):
         offset, numel = blocks.trainable(0)
         every_block = accumulator.narrow(0, offset, numel * self.node_count)
         mine = torch.empty(numel, dtype=accumulator.dtype, device=accumulator.device)
-        self._run(tdist.reduce_scatter_tensor(mine, every_block, group=self.cross_group, async_op=True),
+        self._run(lambda: tdist.reduce_scatter_tensor(mine, every_block, group=self.cross_group, async_op=True),
                   "summing gradients over nodes")
         accumulator.zero_()
         accumulator.narrow(0, *blocks.trainable(self.node)).copy_(mine)
@@ -237,12 +238,13 @@ class TorchDistributedLink(CrossNodeLink):
                 continue
             everything = window.narrow(0, offset, numel * self.node_count).view(torch.uint8)
             mine = window.narrow(0, *block(self.node)).view(torch.uint8).clone()
-            self._run(tdist.all_gather_into_tensor(everything, mine, group=self.cross_group, async_op=True),
-                      "gathering updated shards from every node")
+            self._run(functools.partial(tdist.all_gather_into_tensor, everything, mine, group=self.cross_group,
+                                        async_op=True), "gathering updated shards from every node")
 
     def barrier(self, what: str) -> None:
         """After the node's own round (every rank of this node has arrived): every node's has too."""
-        self._run(tdist.all_reduce(torch.zeros(1, device=self.small_device), group=self.cross_group, async_op=True),
+        flag = torch.zeros(1, device=self.small_device)
+        self._run(lambda: tdist.all_reduce(flag, group=self.cross_group, async_op=True),
                   f"waiting for the other nodes at {what}")
 
     def announce(self, record: FailureRecord) -> None:
@@ -255,8 +257,10 @@ class TorchDistributedLink(CrossNodeLink):
     def close(self) -> None:
         self.board.close()
 
-    def _run(self, work, doing: str) -> None:
-        """Wait for ``work``, watching the board; bounded by ``timeout_s``.
+    def _run(self, start: Callable[[], Any], doing: str) -> None:
+        """Issue a collective (``start()``, an async op) and wait for it, watching the board; bounded by
+        ``timeout_s``. Issued here, not by the caller: gloo refuses a collective on a connection it already knows
+        closed as it is issued, and that is the same broken peer as a wait that fails.
 
         gloo runs some collectives (reduce-scatter) inside ``wait()`` and never reports them complete
         before, so on gloo a helper thread waits and this thread watches it. If the exchange fails,
@@ -268,6 +272,10 @@ class TorchDistributedLink(CrossNodeLink):
         store's host is one of the ranks, and its neighbours on a busy node would feel the traffic."""
         self.collectives += 1
         deadline = time.monotonic() + self.timeout_s
+        try:
+            work = start()
+        except Exception as err:  # noqa: BLE001 - gloo refuses a collective on a connection it knows closed
+            self._broken(err, doing)
         if self.blocking_waits:
             outcome: list = []
             waiter = threading.Thread(target=_wait_into, args=(work, outcome), daemon=True,
@@ -293,10 +301,15 @@ class TorchDistributedLink(CrossNodeLink):
             elif outcome:
                 raise outcome[0]
         except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
-            record = self._cause(min(CAUSE_GRACE_S, self.timeout_s))
-            if record is not None:
-                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record) from err
-            raise ODCPeerError(f"rank {self.rank} lost the other nodes while {doing}: {err}", None) from err
+            self._broken(err, doing)
+
+    def _broken(self, err: Exception, doing: str) -> NoReturn:
+        """Raise for a collective that failed, as it was issued or while awaited: naming the rank the board
+        names, if one is posted within the grace, else the loss of the other nodes and what gloo said."""
+        record = self._cause(min(CAUSE_GRACE_S, self.timeout_s))
+        if record is not None:
+            raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing}", record) from err
+        raise ODCPeerError(f"rank {self.rank} lost the other nodes while {doing}: {err}", None) from err
 
     def _timed_out(self, doing: str) -> NoReturn:
         """Raise for a collective that waited ``timeout_s``: naming the rank the board names, if one is posted

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -104,8 +104,8 @@ class RemoteWindows:
             landing = out if out.dtype == window_dtype and out.is_contiguous() else \
                 torch.empty(out.numel(), dtype=window_dtype)
             header = torch.tensor([READ, transfer.offset, out.numel(), 0], dtype=torch.int64)
-            sends.append((transfer.owner, tdist.isend(header, transfer.owner, group=self.group, tag=REQUEST)))
-            replies.append((transfer.owner, tdist.irecv(landing, transfer.owner, group=self.group, tag=REPLY),
+            sends.append((transfer.owner, self._issue(tdist.isend, header, transfer.owner, REQUEST, doing)))
+            replies.append((transfer.owner, self._issue(tdist.irecv, landing, transfer.owner, REPLY, doing),
                             landing, out))
             self.reads += 1
             self.bytes_read += out.numel() * landing.element_size()
@@ -130,9 +130,9 @@ class RemoteWindows:
             header = torch.tensor([PUSH, transfer.offset, payload.numel(), DTYPES.index(payload.dtype)],
                                   dtype=torch.int64)
             status = torch.zeros(1, dtype=torch.int64)
-            sends.append((transfer.owner, tdist.isend(header, transfer.owner, group=self.group, tag=REQUEST)))
-            sends.append((transfer.owner, tdist.isend(payload, transfer.owner, group=self.group, tag=PAYLOAD)))
-            replies.append((transfer.owner, tdist.irecv(status, transfer.owner, group=self.group, tag=REPLY), status))
+            sends.append((transfer.owner, self._issue(tdist.isend, header, transfer.owner, REQUEST, doing)))
+            sends.append((transfer.owner, self._issue(tdist.isend, payload, transfer.owner, PAYLOAD, doing)))
+            replies.append((transfer.owner, self._issue(tdist.irecv, status, transfer.owner, REPLY, doing), status))
             self.pushes += 1
             self.bytes_pushed += payload.numel() * payload.element_size()
         for owner, work in sends:
@@ -144,21 +144,35 @@ class RemoteWindows:
                                    f"accumulator (its error is in its log); rank {self.rank} was {doing}", None)
         return COMPLETED
 
+    def _issue(self, start: Callable, tensor: torch.Tensor, owner: int, tag: int, doing: str):
+        """Start one message (``tdist.isend`` / ``tdist.irecv``). gloo refuses a message on a connection it
+        already knows closed as it is issued, before any wait: that is the same broken peer as a wait that
+        fails, and raises the same error."""
+        try:
+            return start(tensor, owner, group=self.group, tag=tag)
+        except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
+            self._broken(err, owner, doing)
+
     def _wait(self, work, owner: int, doing: str) -> None:
         """One message, bounded by ``timeout_s``; a broken one names the job's failure if one was posted."""
         try:
             work.wait(self.timeout)
         except Exception as err:  # noqa: BLE001 - a peer's failure is the better explanation
-            record = self._posted_cause()
-            if record is not None:
-                raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} (owner: rank {owner} on "
-                                   "another node)", record) from err
-            if "Timed out" in str(err) or "timed out" in str(err):
-                raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for rank {owner} on another "
-                                      f"node while {doing}: it is stuck or its node is unreachable "
-                                      "(zero_optimization.odc.timeout_s)", None) from err
-            raise ODCPeerError(f"rank {self.rank} lost rank {owner} on another node while {doing}: {err}",
-                               None) from err
+            self._broken(err, owner, doing)
+
+    def _broken(self, err: Exception, owner: int, doing: str) -> NoReturn:
+        """Raise for a message to ``owner`` that failed: naming the job's failure if one is posted within the
+        grace, else the owner and what gloo said."""
+        record = self._posted_cause()
+        if record is not None:
+            raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} (owner: rank {owner} on "
+                               "another node)", record) from err
+        if "Timed out" in str(err) or "timed out" in str(err):
+            raise ODCTimeoutError(f"rank {self.rank} waited {self.timeout_s:.0f}s for rank {owner} on another "
+                                  f"node while {doing}: it is stuck or its node is unreachable "
+                                  "(zero_optimization.odc.timeout_s)", None) from err
+        raise ODCPeerError(f"rank {self.rank} lost rank {owner} on another node while {doing}: {err}",
+                           None) from err
 
     def _posted_cause(self) -> Optional[FailureRecord]:
         deadline = time.monotonic() + min(CAUSE_GRACE_S, self.timeout_s)

@@ -122,7 +122,7 @@ class BudgetLink(GlobalLink):
         inputs = [mine if node == self.node else accumulator.narrow(0, *blocks.accumulator_slot(
             blocks.slot_of(node, self.node))) for node in range(self.node_count)]
         total = torch.empty_like(mine)
-        self._run(tdist.reduce_scatter(total, inputs, group=self.cross_group, async_op=True),
+        self._run(lambda: tdist.reduce_scatter(total, inputs, group=self.cross_group, async_op=True),
                   "summing the replicated layers' gradients over nodes")  # and a barrier: see the Note
         unpack(total, accumulator, blocks.trainable_runs)
         accumulator.narrow(0, blocks.trainable_numel, (blocks.nodes - 1) * blocks.replica_trainable).zero_()
@@ -140,5 +140,5 @@ class BudgetLink(GlobalLink):
         outputs = [torch.empty_like(mine) if node == self.node else window.narrow(
             0, blocks.window_slot(blocks.slot_of(node, self.node))[0], width).view(torch.uint8)
             for node in range(self.node_count)]
-        self._run(tdist.all_gather(outputs, mine, group=self.cross_group, async_op=True),
+        self._run(lambda: tdist.all_gather(outputs, mine, group=self.cross_group, async_op=True),
                   "gathering the replicated layers' updated shards from every node")

@@ -3,7 +3,7 @@ its server does when a requester misbehaves. test_two_hosts_global.py runs it un
 import pytest
 
 from tests.support.harness import run_ranks
-from tests.support.remote_workloads import WINDOW_NUMEL, stalled_requester
+from tests.support.remote_workloads import WINDOW_NUMEL, requests_to_a_dead_owner, stalled_requester
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,18 @@ def test_a_read_beyond_the_owners_window_is_refused_before_it_is_sent(ranks):
     _, requester, _ = ranks
     assert f"lies beyond its window ({WINDOW_NUMEL} elements)" in requester["beyond"], requester
     assert "from rank 0" in requester["beyond"]
+
+
+def test_requests_to_an_owner_already_dead_fail_naming_it():
+    """A push and a pull to an owner whose process is gone, issued after gloo saw its connection close: gloo
+    refuses the send as it is issued, before any wait. Each must still be an ODC error naming the owner, as when
+    the owner dies while the request is awaited (on two hosts a rank killed after its forward was reported by a
+    peer as gloo's bare "Connection closed by peer")."""
+    report = run_ranks(requests_to_a_dead_owner, 2, timeout=90, report=True, wait_for=[0])
+    status, errors = report.outcomes[0]
+    assert status == "ok", errors
+    for name in ("push", "pull"):
+        assert errors[name] is not None, (name, errors)
+        kind, message = errors[name]
+        assert kind == "ODCPeerError", (name, errors)
+        assert "rank 1" in message, (name, errors)

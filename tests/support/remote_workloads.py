@@ -67,3 +67,27 @@ def stalled_requester(timeout_s: float = 20.0) -> dict:
             result["beyond"] = str(err)
     remote.close(wait_s=2.0)
     return result
+
+
+def requests_to_a_dead_owner(timeout_s: float = 20.0) -> dict:
+    """Rank 1 is SIGKILLed; once rank 0's gloo has seen its connection close, rank 0 pushes to it, then reads
+    from it. Each request must fail as an ODC error naming rank 1, whether gloo refuses it as it is issued (a
+    connection already known closed) or while it is awaited: returns each error's class and message."""
+    import os
+    import signal
+
+    remote, _, _, group = _windows(timeout_s)
+    rank = tdist.get_rank()
+    tdist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2.0)  # rank 1's sockets closed: gloo marks the pair broken, and the next send on it raises at once
+    errors = {}
+    for name, request in (("push", lambda: remote.accumulate_many([Transfer(1, 0, torch.ones(4))])),
+                          ("pull", lambda: remote.read_many([Transfer(1, 0, torch.empty(4))]))):
+        try:
+            request()
+            errors[name] = None
+        except Exception as err:  # noqa: BLE001 - the error is the result
+            errors[name] = (type(err).__name__, str(err))
+    return errors
