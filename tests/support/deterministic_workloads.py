@@ -59,25 +59,27 @@ def train_once(counts, steps: int, delay_seed: int, via: str, rank_order, masked
     losses, history, grads = [], [], []
     position = list(rank_order).index(rank)
     turns = _turns()
-    engine.odc_runtime.open()  # the open round meets every rank: run it now, not inside the first turn
-    for step in range(steps):
-        if position:
-            turns.wait(f"step{step}-done{position - 1}", TURN_TIMEOUT_S, f"rank {rank} waiting for its turn")
-        for index in range(counts[rank]):
-            time.sleep(delays.uniform(0.0, max_delay_s))
-            x, y, mask = micro_batch(step, rank, index, masked_out=(rank, index) in masked)
-            loss = mse_token_sum(engine(x), y, mask)
-            engine.backward(loss, loss_tokens=int(mask.sum().item()))
-            losses.append(float(loss.item()))
-        turns.post(f"step{step}-done{position}")
-        grads.append(summed_grads(engine))
-        engine.step()
-        history.append(full_params(engine))
-    exact = engine.odc_runtime.exact
-    engine.destroy()
-    tdist.barrier()
-    if rank == 0:
-        shutil.rmtree(turns.directory, ignore_errors=True)
+    try:
+        engine.odc_runtime.open()  # the open round meets every rank: run it now, not inside the first turn
+        for step in range(steps):
+            if position:
+                turns.wait(f"step{step}-done{position - 1}", TURN_TIMEOUT_S, f"rank {rank} waiting for its turn")
+            for index in range(counts[rank]):
+                time.sleep(delays.uniform(0.0, max_delay_s))
+                x, y, mask = micro_batch(step, rank, index, masked_out=(rank, index) in masked)
+                loss = mse_token_sum(engine(x), y, mask)
+                engine.backward(loss, loss_tokens=int(mask.sum().item()))
+                losses.append(float(loss.item()))
+            turns.post(f"step{step}-done{position}")
+            grads.append(summed_grads(engine))
+            engine.step()
+            history.append(full_params(engine))
+        exact = engine.odc_runtime.exact
+        engine.destroy()
+        tdist.barrier()  # every rank is past its last turn
+    finally:
+        if rank == 0:
+            shutil.rmtree(turns.directory, ignore_errors=True)
     return {"losses": losses, "params": history, "grads": grads, "exact": exact}
 
 
