@@ -27,6 +27,17 @@ SWITCH_OFF = ("", "0", "off", "false", "no")
 ODC = "odc"
 
 
+def is_odc_stage(value) -> bool:
+    """Whether a ZeRO stage value names the odc stage: "odc" in any case, blanks around it ignored. The one
+    comparison for every place a stage meets "odc" (``zero_optimization.stage``, ``DS_ODC_STAGE3``,
+    ``ACCELERATE_DEEPSPEED_ZERO_STAGE``), so the config and the environment accept the same spellings.
+
+    >>> is_odc_stage("odc"), is_odc_stage(" ODC "), is_odc_stage(3), is_odc_stage("odc3")
+    (True, True, False, False)
+    """
+    return isinstance(value, str) and value.strip().lower() == ODC
+
+
 def asks_for_odc(config, environ=os.environ) -> bool:
     """Whether a ds_config asks for the odc stage, as :func:`ds_odc.config.canonicalize` reads it: ``"stage":
     "odc"``, an ``"odc"`` block (under ``zero_optimization``: the marker form; at the top level: the canonical
@@ -43,16 +54,16 @@ def asks_for_odc(config, environ=os.environ) -> bool:
         return False
     zero = config.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
-    if zero.get("stage") == ODC or ODC in config or ODC in zero:
+    if is_odc_stage(zero.get("stage")) or ODC in config or ODC in zero:
         return True
     return zero.get("stage") in (3, "3") and environ.get(STAGE3_SWITCH, "").strip().lower() not in SWITCH_OFF
 
 
 def translate_accelerate_stage(environ=os.environ) -> None:
     """``ACCELERATE_DEEPSPEED_ZERO_STAGE=odc`` (what axolotl exports for the stage it was given; accelerate
-    calls ``int()`` on it) becomes stage 3 plus ds_odc's environment switch ``DS_ODC_STAGE3=odc``, for this
-    process and the processes it starts. Any other value is left alone."""
-    if environ.get(ACCELERATE_STAGE, "").strip().lower() == "odc":
+    calls ``int()`` on it; any spelling :func:`is_odc_stage` accepts) becomes stage 3 plus ds_odc's environment
+    switch ``DS_ODC_STAGE3=odc``, for this process and the processes it starts. Any other value is left alone."""
+    if is_odc_stage(environ.get(ACCELERATE_STAGE)):
         environ[ACCELERATE_STAGE] = "3"
         environ.setdefault(STAGE3_SWITCH, ODC)
 

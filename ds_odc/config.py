@@ -1,11 +1,13 @@
 """The "odc" stage in a ds_config, and its options: :class:`ODCConfig` (the fields of ``zero_optimization.odc``
 and their cross-field checks) and the routing of a ds_config that asks for the stage to its canonical form.
 The option blocks nested in ODCConfig (``balance``, ``activation_offload``, ``timeline``) are in
-:mod:`ds_odc.config_options`, re-exported here.
+:mod:`ds_odc.config_options`, re-exported here; what an odc ds_config may not combine is judged in
+:mod:`ds_odc.config_checks`, and how a refused option reads is written in :mod:`ds_odc.config_messages`.
 
 Three ways to ask for it, all ending in the same canonical form:
 
-* the stage value: ``"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 30}, ...}``;
+* the stage value: ``"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 30}, ...}`` ("odc" in any case,
+  blanks around it ignored, as :func:`ds_odc_import_hooks.is_odc_stage` reads every stage value);
 * the marker form, for frameworks that compare the stage with 3 themselves (every ``stage == 3`` check
   keeps seeing 3): ``"zero_optimization": {"stage": 3, "odc": {"timeout_s": 30}, ...}``;
 * the environment switch, for configs built in code where no ds_config key can be reached:
@@ -17,6 +19,10 @@ Canonical form, what DeepSpeed, transformers and accelerate see after :func:`can
 
 Every ``stage`` comparison in those libraries keeps working with the int 3, and DeepSpeed ignores
 unknown top-level keys, so the marker travels with the dict (including into checkpoints).
+
+The options are read by one function, :func:`requested_options`, for every caller: ``zero_optimization.odc``
+and the top-level ``odc`` block (a saved canonical config copied back, or written by hand) are merged where
+they agree and refused, naming both, where they differ; no option written in either is dropped.
 """
 from __future__ import annotations
 
@@ -26,23 +32,25 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ds_odc import config_messages
+from ds_odc.config_checks import ENV_EXPERIMENTAL_FP16, check_compatibility
+
 # the nested option blocks, re-exported: ``from ds_odc.config import BalanceConfig`` keeps working
 from ds_odc.config_options import ActivationOffloadConfig, BalanceConfig, QuadraticCost, TimelineConfig
 from ds_odc.errors import ODCConfigError
-from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF
+from ds_odc_import_hooks import ODC, STAGE3_SWITCH, SWITCH_OFF, is_odc_stage
 
 __all__ = ["ENV_EXPERIMENTAL_FP16", "ENV_OPTIONS", "ENV_SWITCH", "MARKER_KEY", "ODC_STAGE", "ActivationOffloadConfig",
            "BalanceConfig", "ODCConfig", "QuadraticCost", "TimelineConfig", "canonicalize", "env_switch",
-           "is_odc_config", "parse_options", "stage_three"]
+           "env_options", "is_odc_config", "parse_options", "requested_options", "stage_three"]
 
 ODC_STAGE = ODC
 MARKER_KEY = ODC
 ENV_SWITCH = STAGE3_SWITCH
 ENV_OPTIONS = "DS_ODC_OPTIONS"
-#: ``=1`` lets fp16 through the odc stage's refusal. Experimental: fp16 has never run on ODC (DeepSpeed has no
-#: fp16 on CPU, and no GPU run has validated it yet); the GPU kit's ``fp16`` item sets it to compare against
-#: ZeRO-3's fp16 with an overflow step (docs/gpu.md). The refusal goes once that item passes.
-ENV_EXPERIMENTAL_FP16 = "DS_ODC_EXPERIMENTAL_FP16"
+#: Where the options may be written: the stage's own block (where users write them) and the top-level one
+#: (the canonical form's; a saved canonical config copied back). :func:`requested_options` merges the two.
+STAGE_BLOCK, TOP_BLOCK = f"zero_optimization.{ODC}", ODC
 
 
 class ODCConfig(BaseModel):
@@ -153,7 +161,8 @@ class ODCConfig(BaseModel):
     @classmethod
     def _shm_dir_exists(cls, value: str) -> str:
         if not os.path.isdir(value):
-            raise ValueError(f"directory {value!r} does not exist")
+            raise ValueError(f"directory {value!r} does not exist; give an existing tmpfs directory, or leave shm_dir "
+                             "out (default /dev/shm)")
         return value
 
     @model_validator(mode="after")
@@ -174,19 +183,6 @@ class ODCConfig(BaseModel):
         return self
 
 
-#: ZeRO options ODC cannot honour yet: (path in zero_optimization, predicate of "in use", why).
-_UNSUPPORTED_ZERO_OPTIONS = (
-    ("offload_param", lambda v: isinstance(v, dict) and v.get("device") == "nvme",
-     "parameter offload to NVMe is not supported with the odc stage (\"device\": \"cpu\" is)"),
-    ("offload_optimizer", lambda v: isinstance(v, dict) and v.get("device") == "nvme",
-     "optimizer offload to NVMe is not supported with the odc stage (\"device\": \"cpu\" is)"),
-    ("zero_hpz_partition_size", lambda v: v not in (None, 1), "hpZ secondary partitions are not supported"),
-    ("zero_quantized_weights", bool, "quantized weights are not supported"),
-    ("zero_quantized_nontrainable_weights", bool, "quantized weights are not supported"),
-    ("mics_shard_size", lambda v: v not in (None, -1, 0), "MiCS is not supported with the odc stage"),
-)
-
-
 def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
     """The options ``DS_ODC_STAGE3=odc`` asks for (the JSON object in ``DS_ODC_OPTIONS``, ``{}`` without
     it), or None when the switch is off (unset, empty, "0", "off", "false", "no"). Any other value, or
@@ -194,9 +190,16 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
     value = environ.get(ENV_SWITCH, "").strip()
     if value.lower() in SWITCH_OFF:
         return None
-    if value.lower() != ODC_STAGE:
+    if not is_odc_stage(value):
         raise ODCConfigError(f"{ENV_SWITCH}={value!r}: set it to \"odc\" (every ZeRO-3 engine of the job then runs on "
                              "the odc stage) or leave it unset")
+    return env_options(environ)
+
+
+def env_options(environ: Mapping[str, str] = os.environ) -> dict:
+    """The JSON object in ``DS_ODC_OPTIONS`` (``{}`` when unset or empty), refused by name unless it is one. The
+    switch's options; with a config that asks for the odc stage by itself, merged into its blocks
+    (:func:`requested_options`)."""
     raw = environ.get(ENV_OPTIONS, "").strip()
     try:
         options = json.loads(raw) if raw else {}
@@ -204,88 +207,83 @@ def env_switch(environ: Mapping[str, str] = os.environ) -> Optional[dict]:
         raise ODCConfigError(f"{ENV_OPTIONS}={raw!r} is not JSON ({err}); give the odc options as a JSON object, "
                              'e.g. {"timeout_s": 60}') from None
     if not isinstance(options, dict):
-        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r}: the odc options must be a JSON object, "
+        raise ODCConfigError(f"{ENV_OPTIONS}={raw!r} is not a JSON object; give the odc options as one, "
                              'e.g. {"timeout_s": 60}')
     return options
 
 
-def _check_compatibility(ds_config: dict, asked_by: str = "") -> None:
-    """The one place for cross-field checks of an "odc" ds_config. ``asked_by``: what asked for ODC, when it
-    was not the config itself (the environment switch), added to every refusal."""
-    try:
-        _check_combinations(ds_config)
-    except ODCConfigError as err:
-        if not asked_by:
-            raise
-        raise ODCConfigError(f"{err} ({asked_by} asked for the odc stage for this stage-3 config)") from None
-
-
-def _check_combinations(ds_config: dict) -> None:
-    zero = ds_config["zero_optimization"]
-    for key, in_use, why in _UNSUPPORTED_ZERO_OPTIONS:
-        if key in zero and zero[key] != "auto" and in_use(zero[key]):
-            raise ODCConfigError(f"zero_optimization.{key}={zero[key]!r}: {why}; remove it or use stage 3")
-    fp16 = ds_config.get("fp16", {})
-    if (isinstance(fp16, dict) and fp16.get("enabled") not in (False, None, "auto")
-            and os.environ.get(ENV_EXPERIMENTAL_FP16) != "1"):
-        raise ODCConfigError(f"fp16.enabled={fp16.get('enabled')!r}: the odc stage supports fp32 and bf16 only; "
-                             "use bf16")
-    tensor_parallel = ds_config.get("tensor_parallel") or {}
-    if not isinstance(tensor_parallel, dict):
-        raise ODCConfigError(f"tensor_parallel={tensor_parallel!r}: must be a dict of tensor-parallel options "
-                             '(e.g. {"autotp_size": 1})')
-    autotp = tensor_parallel.get("autotp_size", 0)
-    if isinstance(autotp, int) and autotp > 1:
-        raise ODCConfigError(f"tensor_parallel.autotp_size={autotp}: tensor parallelism is not supported with the "
-                             "odc stage yet (every rank must be a data-parallel rank)")
-    sequence = ds_config.get("sequence_parallel_size", 1)
-    if isinstance(sequence, int) and sequence > 1:
-        raise ODCConfigError(f"sequence_parallel_size={sequence}: DeepSpeed's device-mesh route to sequence "
-                             "parallelism partitions ZeRO-3 over the data-parallel mesh only and is not supported on "
-                             "the odc stage; use ALST's route instead (the mpu from UlyssesSPAttentionHF."
-                             "register_with_transformers(...) passed to deepspeed.initialize, or accelerate's "
-                             'ParallelismConfig(sp_size=N, sp_backend="deepspeed")) and leave '
-                             "sequence_parallel_size out")
-
-
-#: Settings activation offload cannot compose with: (path, predicate of "in use", why).
-_OFFLOAD_CONFLICTS = (
-    ("activation_checkpointing.cpu_checkpointing", bool,
-     "DeepSpeed's CPU checkpointing already moves checkpoint inputs to the host; use activation_offload's "
-     "\"mode\": \"checkpoint_inputs\" instead"),
-    ("compile.deepcompile", bool, "DeepCompile traces the forward; saved-tensor hooks do not reach its graph"),
-)
-
-
-def _check_activation_offload(ds_config: dict, options: ODCConfig) -> None:
-    """Activation offload refuses, by name, the settings it cannot compose with (only when it is on)."""
-    if options.activation_offload is None:
-        return
-    for path, in_use, why in _OFFLOAD_CONFLICTS:
-        section, key = path.split(".")
-        block = ds_config.get(section)
-        value = block.get(key) if isinstance(block, dict) else None
-        if value not in (None, "auto") and in_use(value):
-            raise ODCConfigError(f"{path}={value!r} with zero_optimization.odc.activation_offload: {why}; "
-                                 "remove one of the two")
-
-
-def parse_options(options: Optional[dict]) -> ODCConfig:
-    """Validate ODC options; raise ODCConfigError naming the field on any bad key or value."""
+def _options_block(path: str, options: Any) -> dict:
+    """An options block as written (null: no options), refused by name unless it is a dict."""
     if options is None:
-        options = {}
+        return {}
     if not isinstance(options, dict):
-        raise ODCConfigError(f"zero_optimization.odc must be a dict of options, got {type(options).__name__}")
+        raise ODCConfigError(f"{path} must be a dict of options, got {type(options).__name__}: give it as a JSON "
+                             'object (e.g. {"timeout_s": 60}) or remove it')
+    return options
+
+
+def parse_options(options: Optional[dict], block: str = STAGE_BLOCK,
+                  path_of: Optional[Mapping[str, str]] = None) -> ODCConfig:
+    """Validate ODC options; raise ODCConfigError naming each bad key or value by its dotted path (``block``, or
+    ``path_of[key]`` for a key written elsewhere) and what to do, one line per problem."""
+    options = _options_block(block, options)
+    path_of = path_of or {}
     if "enabled" in options:
-        raise ODCConfigError(f"zero_optimization.odc.enabled={options['enabled']!r}: not an option; the stage value "
-                             'switches ODC on and off ("stage": "odc" or "stage": 3)')
+        raise ODCConfigError(f"{path_of.get('enabled', block)}.enabled={options['enabled']!r}: not an option; the "
+                             'stage value switches ODC on and off ("stage": "odc" or "stage": 3): remove it')
     try:
         return ODCConfig(**options)
     except ValidationError as err:
-        problems = "; ".join(  # a cross-field check (ODCConfig._fields_agree) has no loc: the block itself
-            f"{'.'.join(['zero_optimization.odc', *(str(p) for p in e['loc'])])}: {e['msg']} (got {e.get('input')!r})"
-            for e in err.errors())
-        raise ODCConfigError(problems) from None
+        blocks = set(path_of.get(key, block) for key in options)
+        where = blocks.pop() if len(blocks) == 1 else block  # a cross-field check names the block it read
+        raise ODCConfigError("\n".join(config_messages.problems(err, ODCConfig, path_of, where))) from None
+
+
+def _agree(key: str, first: Any, second: Any) -> bool:
+    """Whether two blocks give one option the same value: equal as written (a bool is not a number), or
+    parsed to the same value (5 and 5.0; a nested block with and without its defaults)."""
+    if isinstance(first, dict) and isinstance(second, dict) and first.keys() == second.keys():
+        if all(_agree(inner, first[inner], second[inner]) for inner in first):
+            return True
+    elif isinstance(first, bool) == isinstance(second, bool) and first == second:
+        return True
+    try:
+        return getattr(ODCConfig(**{key: first}), key) == getattr(ODCConfig(**{key: second}), key)
+    except (ValidationError, TypeError):
+        return False
+
+
+def requested_options(ds_config: Any) -> Optional[ODCConfig]:
+    """The options a ds_config asks for, parsed, or None when it does not ask for the odc stage by itself
+    (:func:`is_odc_config`). The one reader for every caller (:func:`canonicalize`, the Trainer's binding), so
+    no option is read in one place and dropped in another: ``zero_optimization.odc``, the top-level ``odc`` block
+    and ``DS_ODC_OPTIONS`` are merged (keys in one only are taken), refused by name where two give a key different
+    values.
+
+    >>> both = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}, "odc": {"metrics": False}}
+    >>> requested_options(both).timeout_s, requested_options(both).metrics
+    (5.0, False)
+    >>> requested_options({**both, "odc": {"timeout_s": 7}})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ds_odc.errors.ODCConfigError: the odc options differ between zero_optimization.odc.timeout_s=5 and odc.timeout_s=...
+    """
+    if not is_odc_config(ds_config):
+        return None
+    merged: dict = {}
+    path_of: dict = {}
+    differ = []
+    for path, block in ((STAGE_BLOCK, ds_config["zero_optimization"].get(MARKER_KEY)),
+                        (TOP_BLOCK, ds_config.get(MARKER_KEY)), (ENV_OPTIONS, env_options())):
+        for key, value in _options_block(path, block).items():
+            if key not in merged:
+                merged[key], path_of[key] = value, path
+            elif not _agree(key, merged[key], value):
+                differ.append(f"{path_of[key]}.{key}={merged[key]!r} and {path}.{key}={value!r}")
+    if differ:
+        raise ODCConfigError(f"the odc options differ between {'; between '.join(differ)}: {STAGE_BLOCK}, the "
+                             f"top-level {TOP_BLOCK} block (the canonical form ds_odc writes) and {ENV_OPTIONS} are "
+                             "merged only where they agree; give each option in one of them, or the same value in each")
+    return parse_options(merged, STAGE_BLOCK, path_of)
 
 
 def is_odc_config(ds_config: Any) -> bool:
@@ -297,7 +295,7 @@ def is_odc_config(ds_config: Any) -> bool:
     if not isinstance(zero, dict):
         return False
     stage = zero.get("stage")
-    return stage == ODC_STAGE or (stage in (3, "3") and (MARKER_KEY in ds_config or MARKER_KEY in zero))
+    return is_odc_stage(stage) or (stage in (3, "3") and (MARKER_KEY in ds_config or MARKER_KEY in zero))
 
 
 def stage_three(ds_config: Any) -> bool:
@@ -313,15 +311,17 @@ def _check_stage_value(ds_config: Any) -> None:
     if not isinstance(zero, dict):
         return
     stage = zero.get("stage")
+    odc_or_3 = is_odc_stage(stage) or stage in (3, "3")
     # "auto" is accelerate's placeholder, filled in later with the plugin's stage
-    if isinstance(stage, str) and stage not in (ODC_STAGE, "auto") and not stage.strip().isdigit():
-        raise ODCConfigError(f"zero_optimization.stage={stage!r}: allowed values are 0, 1, 2, 3 and \"odc\"")
-    if MARKER_KEY in zero and stage not in (ODC_STAGE, 3, "3"):
-        raise ODCConfigError(f"zero_optimization.odc is set but zero_optimization.stage={stage!r}: the odc options "
-                             'need "stage": "odc", or "stage": 3 (the marker form), or removing')
-    if MARKER_KEY in ds_config and stage not in (3, "3", ODC_STAGE):
-        raise ODCConfigError(f"odc options with zero_optimization.stage={stage!r}: the odc stage needs "
-                             '"stage": "odc"')
+    if isinstance(stage, str) and not is_odc_stage(stage) and stage != "auto" and not stage.strip().isdigit():
+        raise ODCConfigError(f"zero_optimization.stage={stage!r}: allowed values are 0, 1, 2, 3 and \"odc\" (any "
+                             "case); set one of them")
+    if MARKER_KEY in zero and not odc_or_3:
+        raise ODCConfigError(f"zero_optimization.odc is set but zero_optimization.stage={stage!r}: set "
+                             '"stage": "odc" (or "stage": 3, the marker form) for the odc options, or remove them')
+    if MARKER_KEY in ds_config and not odc_or_3:
+        raise ODCConfigError(f"odc options (the top-level odc block) with zero_optimization.stage={stage!r}: set "
+                             '"stage": "odc" for them, or remove the block')
 
 
 def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
@@ -342,22 +342,18 @@ def canonicalize(ds_config: dict) -> Optional[ODCConfig]:
     """
     _check_stage_value(ds_config)
     asked_by = ""
-    if not is_odc_config(ds_config):
+    options = requested_options(ds_config)
+    if options is None:
         switched = env_switch() if stage_three(ds_config) else None
         if switched is None:
             return None
-        ds_config[MARKER_KEY] = dict(switched)
+        options = parse_options(switched, ENV_OPTIONS)
         asked_by = f"{ENV_SWITCH}=odc"
+    check_compatibility(ds_config, options, asked_by)
     zero = ds_config["zero_optimization"]
-    if zero.get("stage") == ODC_STAGE:
-        options = parse_options(zero.pop(MARKER_KEY, None))
+    zero.pop(MARKER_KEY, None)
+    if is_odc_stage(zero.get("stage")):
         zero["stage"] = 3
-    elif MARKER_KEY in zero:  # the marker form
-        options = parse_options(zero.pop(MARKER_KEY))
-    else:
-        options = parse_options(ds_config.get(MARKER_KEY))
-    _check_compatibility(ds_config, asked_by)
-    _check_activation_offload(ds_config, options)
     # Defaults left out: accelerate treats every "auto" string in a ds_config as a placeholder it must
     # fill (and raises for keys it does not know), and "auto" is the default of two options.
     ds_config[MARKER_KEY] = options.model_dump(exclude_defaults=True)

@@ -38,7 +38,7 @@ class QuadraticCost(BaseModel):
     @classmethod
     def _not_both_zero(cls, value: float, info) -> float:
         if value == 0 and info.data.get("a") == 0:
-            raise ValueError("a and b are both 0: every sample would cost nothing")
+            raise ValueError("a and b are both 0: every sample would cost nothing; set a or b above 0")
         return value
 
 
@@ -92,7 +92,8 @@ class BalanceConfig(BaseModel):
         policy = info.data.get("policy")
         default = cls.model_fields[info.field_name].default
         if value != default and policy != "lb-mini-split":
-            raise ValueError(f"only with policy 'lb-mini-split' (policy is {policy!r})")
+            raise ValueError(f"only with policy 'lb-mini-split' (policy is {policy!r}); set that policy, or leave "
+                             f"{info.field_name} out")
         return value
 
 

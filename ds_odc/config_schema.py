@@ -11,18 +11,18 @@ import os
 import sys
 
 from ds_odc.config import (
-    _UNSUPPORTED_ZERO_OPTIONS,
     ActivationOffloadConfig,
     BalanceConfig,
     ODCConfig,
     QuadraticCost,
     TimelineConfig,
 )
+from ds_odc.config_checks import UNSUPPORTED_ZERO_OPTIONS
 
 #: Option blocks inside ODCConfig, documented the same way.
 NESTED_MODELS = (BalanceConfig, QuadraticCost, ActivationOffloadConfig, TimelineConfig)
 
-#: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config._check_compatibility``).
+#: Settings outside ``zero_optimization`` that the odc stage rejects (see ``config_checks.check_compatibility``).
 _UNSUPPORTED_ELSEWHERE = ("fp16.enabled=true (use bf16)", "tensor_parallel.autotp_size > 1",
                           "sequence_parallel_size > 1 (use ALST's mpu for Ulysses sequence parallelism)")
 
@@ -53,7 +53,7 @@ def _documented(model, schema: dict) -> dict:
 
 
 def _incompatible() -> str:
-    zero = sorted({f"zero_optimization.{key}" for key, _, _ in _UNSUPPORTED_ZERO_OPTIONS})
+    zero = sorted({f"zero_optimization.{key}" for key, _, _ in UNSUPPORTED_ZERO_OPTIONS})
     return ", ".join(zero + list(_UNSUPPORTED_ELSEWHERE))
 
 
@@ -74,18 +74,22 @@ def generate() -> dict:
                 "type": "object",
                 "properties": {
                     "stage": {
-                        "description": 'ZeRO stage. ds_odc adds the value "odc": ZeRO-3 partitioning with '
+                        "description": 'ZeRO stage. ds_odc adds the value "odc" (in any case, blanks around it '
+                                       "ignored): ZeRO-3 partitioning with "
                                        "one-sided pulls and pushes and a single synchronisation per step. "
                                        'Rejected at deepspeed.initialize together with "odc" (naming the field): '
                                        f"{_incompatible()}.",
-                        "anyOf": [{"enum": [0, 1, 2, 3]}, {"const": "odc"}],
+                        "anyOf": [{"enum": [0, 1, 2, 3]}, {"const": "odc"},
+                                  {"type": "string", "pattern": "^\\s*[Oo][Dd][Cc]\\s*$"}],
                     },
                     "odc": {"$ref": "#/$defs/ODCConfig"},
                 },
             },
             "odc": {
-                "description": 'Written by ds_odc, not by users: the canonical form of an "odc" config is '
-                               '"stage": 3 plus this top-level block (the options that differ from their defaults).',
+                "description": 'Written by ds_odc: the canonical form of an "odc" config is "stage": 3 plus this '
+                               "top-level block (the options that differ from their defaults). Given together with "
+                               "zero_optimization.odc (a saved canonical config copied back), the two are merged "
+                               "where they agree; a key they give different values is refused, naming both.",
                 "$ref": "#/$defs/ODCConfig",
             },
         },
@@ -106,12 +110,15 @@ come as a JSON object in `DS_ODC_OPTIONS`. `deepspeed.initialize` then rewrites 
 canonical form, which is what DeepSpeed, transformers, accelerate and the checkpoints see: `"stage": 3`, and
 the options that differ from their defaults in a **top-level** `"odc"` block (`zero_optimization.odc` is gone
 from it). So read the options of a running job from `engine.odc_options`, or from the top-level block of the
-config it saved, not from `zero_optimization.odc`.
+config it saved, not from `zero_optimization.odc`. A config that gives both blocks (a saved canonical config
+copied back with `"stage": "odc"`) has them merged where they agree, and is refused where a key has different
+values in the two, naming both; no option written in either is dropped.
 
 Values are checked strictly at `deepspeed.initialize`: an unknown key, a wrong type (`"5"` or `true` for a
-number), a value out of range or not among the allowed ones, a misspelt stage (`"stage": "ODC"`), or odc
-options next to another stage each raise `ODCConfigError` naming the field and what is allowed. The JSON
-Schema `config_schemas/odc.schema.json` carries the same descriptions, defaults and allowed values.
+number), a value out of range or not among the allowed ones, a misspelt stage (`"stage": "odcc"`; "odc" is
+read in any case), or odc options next to another stage each raise `ODCConfigError` naming the field and what to
+do (for a misspelt key, the closest valid ones). The JSON Schema `config_schemas/odc.schema.json` carries the same
+descriptions, defaults and allowed values.
 """
 
 
@@ -161,7 +168,7 @@ def options_markdown() -> str:
         lines += _table(model, prefix, schema[model.__name__])
     lines += ["", "## Refused with the odc stage", "",
               "Rejected at `deepspeed.initialize`, naming the field (`ds_odc/config.py`):", ""]
-    lines += [f"- `zero_optimization.{key}`: {why}" for key, _, why in _UNSUPPORTED_ZERO_OPTIONS]
+    lines += [f"- `zero_optimization.{key}`: {why}" for key, _, why in UNSUPPORTED_ZERO_OPTIONS]
     lines += [f"- `{what}`" for what in _UNSUPPORTED_ELSEWHERE]
     return "\n".join(lines) + "\n"
 

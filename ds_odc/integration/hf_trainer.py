@@ -33,7 +33,7 @@ import functools
 
 from deepspeed.utils import logger
 
-from ds_odc.config import MARKER_KEY, ODC_STAGE, is_odc_config, parse_options
+from ds_odc.config import requested_options
 from ds_odc.integration.hf_balance import bind_balance
 from ds_odc.integration.hf_metrics import STATE_ATTRIBUTE as FIGURES_ATTRIBUTE
 from ds_odc.integration.hf_metrics import TrainerFigures
@@ -79,11 +79,9 @@ def odc_options(trainer):
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
-    if not is_odc_config(config):
-        return None
-    zero = config["zero_optimization"]
-    # canonical (stage 3 and the top-level marker) once accelerate has read it; as written otherwise
-    return parse_options(zero.get(MARKER_KEY) if zero.get("stage") == ODC_STAGE else config.get(MARKER_KEY))
+    # canonical (stage 3 and the top-level marker) once accelerate has read it; as written otherwise: both
+    # blocks read by the config's one reader, as canonicalize reads them
+    return requested_options(config)
 
 
 def bind_if_odc(trainer) -> bool:

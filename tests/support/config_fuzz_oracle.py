@@ -157,7 +157,12 @@ def _deepspeed_problems(cfg: dict, zero: dict, odc_options: dict) -> List[Altern
 def asks_for_odc(cfg: dict) -> bool:
     """``"stage": "odc"``, or the marker form (an odc block next to stage 3)."""
     zero = cfg["zero_optimization"]
-    return zero.get("stage") == "odc" or ("odc" in zero and zero.get("stage") in (3, "3"))
+    return _odc_stage(zero.get("stage")) or ("odc" in zero and zero.get("stage") in (3, "3"))
+
+
+def _odc_stage(stage) -> bool:
+    """The stage value "odc", in any case and with spaces around it."""
+    return isinstance(stage, str) and stage.strip().lower() == "odc"
 
 
 def expectation(cfg: dict) -> Expectation:
@@ -165,11 +170,11 @@ def expectation(cfg: dict) -> Expectation:
     zero = cfg["zero_optimization"]
     stage = zero.get("stage")
     # 1. the stage value (ds_odc.config._check_stage_value)
-    if isinstance(stage, str) and stage not in ("odc", "auto") and not _is_digit_stage(stage):
+    if isinstance(stage, str) and not _odc_stage(stage) and stage != "auto" and not _is_digit_stage(stage):
         return _odc("zero_optimization.stage")
-    if "odc" in zero and stage not in ("odc", 3, "3"):
+    if "odc" in zero and not _odc_stage(stage) and stage not in (3, "3"):
         return _odc("zero_optimization.odc")
-    if "odc" in cfg and stage not in (3, "3", "odc"):
+    if "odc" in cfg and not _odc_stage(stage) and stage not in (3, "3"):
         return _odc("zero_optimization.stage")
     odc_stage = asks_for_odc(cfg)
     options = zero.get("odc") if odc_stage else None

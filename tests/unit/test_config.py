@@ -159,7 +159,7 @@ def test_the_environment_switch_makes_a_stage_3_config_ask_for_odc(monkeypatch):
     ("ODC3", None, "DS_ODC_STAGE3='ODC3'"),
     ("odc", "{timeout_s: 1}", "DS_ODC_OPTIONS=.* is not JSON"),
     ("odc", "[1]", "DS_ODC_OPTIONS=.*JSON object"),
-    ("odc", '{"timeout": 1}', r"zero_optimization\.odc\.timeout"),
+    ("odc", '{"timeout": 1}', r"DS_ODC_OPTIONS\.timeout: not an option; did you mean 'timeout_s'"),
 ])
 def test_a_bad_environment_switch_is_refused_naming_the_variable(monkeypatch, value, options, match):
     monkeypatch.setenv("DS_ODC_STAGE3", value)
@@ -186,6 +186,9 @@ def test_the_switch_off_leaves_stage_3_alone(monkeypatch, value):
 ASKING_CONFIGS = [
     {"zero_optimization": {"stage": "odc"}},
     {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}},
+    {"zero_optimization": {"stage": "ODC"}},
+    {"zero_optimization": {"stage": " Odc "}, "odc": {"timeout_s": 5}},
+    {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}, "odc": {"timeout_s": 6}},  # refused: differ
     {"zero_optimization": {"stage": 3, "odc": {}}},
     {"zero_optimization": {"stage": "3", "odc": {"timeout_s": 5}}},
     {"zero_optimization": {"stage": 3}, "odc": {"timeout_s": 5.0}},  # the canonical form
@@ -251,3 +254,110 @@ def test_bf16_accumulators_are_taken_only_where_they_hold_zero3s_bytes():
         accumulator_dtype(bf16, torch.bfloat16, "cuda:0")
     with pytest.raises(ODCConfigError, match="leave accumulator_dtype='bf16' out"):
         parse_options({"accumulator_dtype": "bf16", "deterministic": True})
+
+
+# -- no option is dropped: zero_optimization.odc and the top-level odc block, read by one function ------------
+def _trainer_with(config):
+    """The parts of a Trainer that ``hf_trainer.odc_options`` reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_deepspeed_enabled=True, args=SimpleNamespace(hf_deepspeed_config=SimpleNamespace(
+        config=config)))
+
+
+@pytest.mark.parametrize("stage", ["odc", 3])
+def test_a_top_level_odc_block_next_to_the_stage_keeps_its_options(stage):
+    """Both blocks are read and merged, with the stage value and with the marker form (stage 3): an option
+    written in either survives canonicalize, and the Trainer's own reading of the config sees the same."""
+    from ds_odc.integration.hf_trainer import odc_options
+
+    blocks = {"zero_optimization": {"stage": stage, "odc": {"metrics": False}}, "odc": {"timeout_s": 5}}
+    written = [blocks, {"zero_optimization": {"stage": "odc"}, "odc": {"timeout_s": 5, "metrics": False}}]
+    for config in written:
+        assert odc_options(_trainer_with(copy.deepcopy(config))) == ODCConfig(timeout_s=5, metrics=False)
+        options = canonicalize(config)
+        assert options == ODCConfig(timeout_s=5, metrics=False), options
+        assert config["zero_optimization"] == {"stage": 3} and config["odc"] == {"timeout_s": 5.0, "metrics": False}
+        assert canonicalize(config) == options  # idempotent
+        assert odc_options(_trainer_with(config)) == options
+
+
+def test_the_marker_form_is_read_by_the_trainer_as_canonicalize_reads_it():
+    from ds_odc.integration.hf_trainer import odc_options
+
+    marker = {"zero_optimization": {"stage": 3, "odc": {"timeout_s": 9}}}
+    assert odc_options(_trainer_with(copy.deepcopy(marker))) == canonicalize(marker) == ODCConfig(timeout_s=9)
+
+
+def test_blocks_that_agree_are_merged_and_a_saved_canonical_config_keeps_its_options():
+    """Same value for each key both blocks give (5 and 5.0; a nested block with and without its defaults):
+    merged. A canonical config saved and copied back with ``"stage": "odc"`` keeps every option."""
+    config = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5, "balance": {"token_cap": 64,
+                                                                                        "policy": "lb-mini"}}},
+              "odc": {"timeout_s": 5.0, "balance": {"token_cap": 64}, "accumulator_dtype": "fp64"}}
+    options = canonicalize(config)
+    assert (options.timeout_s, options.balance.token_cap, options.accumulator_dtype) == (5.0, 64, "fp64")
+    saved = copy.deepcopy(config)
+    saved["zero_optimization"]["stage"] = "odc"
+    assert canonicalize(saved) == options and saved == config
+
+
+def test_blocks_that_differ_are_refused_naming_both_paths_and_both_values():
+    config = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5, "metrics": False, "transport": "shm"}},
+              "odc": {"timeout_s": 7, "metrics": False, "transport": "auto"}}
+    with pytest.raises(ODCConfigError) as refused:
+        canonicalize(config)
+    message = str(refused.value)
+    for part in ("zero_optimization.odc.timeout_s=5", "odc.timeout_s=7", "zero_optimization.odc.transport='shm'",
+                 "odc.transport='auto'"):
+        assert part in message, message
+    assert "metrics" not in message, message
+
+
+# -- the stage value: "odc" in any case, blanks around it ignored, in the config as in the environment --------
+@pytest.mark.parametrize("form,env", [
+    ({"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5}}}, {}),
+    ({"zero_optimization": {"stage": "ODC", "odc": {"timeout_s": 5}}}, {}),
+    ({"zero_optimization": {"stage": " Odc "}, "odc": {"timeout_s": 5}}, {}),
+    ({"zero_optimization": {"stage": 3}}, {"DS_ODC_STAGE3": "ODC", "DS_ODC_OPTIONS": '{"timeout_s": 5}'}),
+    ({"zero_optimization": {"stage": 3}}, {"DS_ODC_STAGE3": "odc", "DS_ODC_OPTIONS": '{"timeout_s": 5}'}),
+    ({"zero_optimization": {"stage": "3", "odc": {"timeout_s": 5}}}, {}),  # the marker form
+    ({"zero_optimization": {"stage": 3}, "odc": {"timeout_s": 5.0}}, {}),  # the canonical form
+], ids=["odc", "ODC", "blank-Odc", "env-ODC", "env-odc", "marker", "canonical"])
+def test_every_spelling_of_the_stage_asks_for_odc_alike(form, env, monkeypatch):
+    import ds_odc_import_hooks
+
+    monkeypatch.delenv("DS_ODC_STAGE3", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ds_odc_import_hooks.asks_for_odc(form)
+    assert is_odc_config(form) == (not env)
+    assert canonicalize(form) == ODCConfig(timeout_s=5)
+    assert form["zero_optimization"]["stage"] in (3, "3") and form["odc"] == {"timeout_s": 5.0}
+
+
+@pytest.mark.parametrize("value, odc", [("odc", True), ("ODC", True), (" Odc ", True), ("odc3", False), ("", False),
+                                        (3, False), (None, False)])
+def test_one_predicate_reads_the_stage_and_the_accelerate_variable(value, odc):
+    from ds_odc_import_hooks import is_odc_stage, translate_accelerate_stage
+
+    assert is_odc_stage(value) is odc
+    if isinstance(value, str):
+        environ = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": value}
+        translate_accelerate_stage(environ)
+        assert environ == ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "DS_ODC_STAGE3": "odc"} if odc else
+                           {"ACCELERATE_DEEPSPEED_ZERO_STAGE": value})
+
+
+def test_ds_odc_options_are_merged_into_a_config_that_asks_for_odc_itself(monkeypatch):
+    """``DS_ODC_OPTIONS`` next to a config that asks for the odc stage by itself is a third source of options, not
+    one dropped without a word: merged where it agrees with the config's blocks, refused naming both where not."""
+    monkeypatch.setenv("DS_ODC_OPTIONS", '{"metrics": false, "timeout_s": 5}')
+    config = {"zero_optimization": {"stage": "odc", "odc": {"timeout_s": 5.0}}}
+    assert canonicalize(config) == ODCConfig(timeout_s=5, metrics=False)
+    assert config["odc"] == {"timeout_s": 5.0, "metrics": False}
+    monkeypatch.setenv("DS_ODC_OPTIONS", '{"timeout_s": 9}')
+    with pytest.raises(ODCConfigError, match=r"zero_optimization\.odc\.timeout_s=5\.0 and DS_ODC_OPTIONS\.timeout_s=9"):
+        canonicalize({"zero_optimization": {"stage": 3, "odc": {"timeout_s": 5.0}}})
+    monkeypatch.delenv("DS_ODC_OPTIONS")
+    assert canonicalize({"zero_optimization": {"stage": 3}}) is None  # a plain stage-3 config: left alone
