@@ -6,6 +6,15 @@ usable on this machine and, for the others, why not); the control plane's memory
 the compiled operators (built, buildable, or why not). It only inspects: nothing is compiled, no process group
 or window is created, and optional packages (transformers, accelerate) are looked up by their installed
 metadata rather than imported, so the report takes about as long as ``import ds_odc``.
+
+Exit status (:func:`out_of_range`): 1 when a row says this environment is outside what ds_odc supports or
+would be refused: a release of DeepSpeed, transformers or accelerate outside its tested range; the control
+plane's memory ordering ``[NO]`` (no rank can run here); the environment switch refused; a launcher layout
+refused at initialize; a section that could not be inspected (its probe failed). Otherwise 0. A ``[NO]`` that is
+a fact of the machine is not an error: a transport this machine cannot serve (``cuda_ipc`` without CUDA, ``shm``
+without a writable ``/dev/shm``: ``shm_dir`` may point elsewhere) and a compiled operator that cannot be built
+here (none is needed on CPU); a job that needs one is refused at initialize, naming it. An optional package
+that is not installed is not an error either.
 """
 from __future__ import annotations
 
@@ -210,10 +219,34 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
+def out_of_range(data: dict) -> List[str]:
+    """The rows that make the report exit 1 (the module docstring's rule), each as ``section: row: value``."""
+    found = []
+    for name, rows in data.items():
+        if isinstance(rows, dict) and set(rows) == {"error"}:
+            found.append(f"{name}: not inspected: {rows['error']}")
+    versions = data.get("versions", {})
+    found += [f"versions: {package}: {versions[package]}" for package in ("deepspeed", "transformers", "accelerate")
+              if "OUTSIDE the tested range" in str(versions.get(package, ""))]
+    switch = str(data.get("environment", {}).get("stage-3 engines on odc", ""))
+    if switch.startswith("refused"):
+        found.append(f"environment: stage-3 engines on odc: {switch}")
+    layout = str(data.get("topology", {}).get("odc", ""))
+    if "refused at initialize" in layout:
+        found.append(f"topology: odc: {layout}")
+    ordering = data.get("control plane", {}).get("memory ordering")
+    if isinstance(ordering, (list, tuple)) and not ordering[0]:
+        found.append(f"control plane: memory ordering: {BAD} {ordering[1]}")
+    return found
+
+
 def main(argv: List[str]) -> int:
+    """Print the report (``--json``: as JSON, with the ``out_of_range`` rows); 1 when a row is out of range."""
     data = collect()
+    problems = out_of_range(data)
     if "--json" in argv:
-        print(json.dumps(data, indent=2, default=str))
+        print(json.dumps({**data, "out_of_range": problems}, indent=2, default=str))
     else:
-        print(render(data))
-    return 0
+        verdict = "out of range (exit 1):" if problems else "everything checked is in range"
+        print("\n".join([render(data), "-" * 70, verdict] + [f"  {row}" for row in problems]))
+    return 1 if problems else 0

@@ -93,3 +93,61 @@ def test_report_shows_the_topology_a_launcher_announces():
     assert rows["launcher"] == "2 nodes x 2 ranks (node0: ranks 0-1; node1: ranks 2-3)"
     assert rows["odc"].startswith("several nodes: windows and accumulators over the 2 ranks of a node")
     assert "optimizer state over all 4" in rows["odc"] and "one exchange per step" in rows["odc"]
+
+
+def test_the_report_exits_0_here_and_says_so(report):
+    text, data = report
+    assert data["out_of_range"] == []
+    assert text.rstrip().endswith("everything checked is in range")
+
+
+def test_version_at_the_top_level_and_on_report():
+    import ds_odc
+
+    assert _run("--version") == _run("report", "--version") == f"ds_odc {ds_odc.__version__}\n"
+
+
+def _fine() -> dict:
+    """A report's data with every row in range (transports and operators as on a CPU machine)."""
+    return {"versions": {"deepspeed": "0.19.8 (in the tested range, 0.18.0 to 0.19.8)", "transformers": "not installed",
+                         "accelerate": "1.11.0 (in the tested range, 1.11 to 1.15)"},
+            "environment": {"stage-3 engines on odc": "no (DS_ODC_STAGE3 unset)"},
+            "topology": {"launcher": "none (WORLD_SIZE unset)"},
+            "transports": {"shm": (True, "/dev/shm"), "cuda_ipc": (False, "torch is a CPU-only build")},
+            "control plane": {"memory ordering": (True, "release/acquire")},
+            "ops": [{"name": "ds_odc_cuda_ipc", "built": False, "buildable": False, "reason": "no nvcc"}]}
+
+
+@pytest.mark.parametrize("section, row, value, names", [
+    ("versions", "transformers", "5.24.0 (OUTSIDE the tested range, 4.57 to 5.23: the 'odc' stage warns when it "
+     "patches it)", "versions: transformers: 5.24.0 (OUTSIDE"),
+    ("versions", "deepspeed", "0.17.6 (OUTSIDE the tested range, 0.18.0 to 0.19.8: refused at import)",
+     "versions: deepspeed: 0.17.6"),
+    ("environment", "stage-3 engines on odc", "refused: DS_ODC_STAGE3='yes': set it to \"odc\"",
+     "environment: stage-3 engines on odc: refused"),
+    ("topology", "odc", "several nodes, refused at initialize: nodes hold different numbers of ranks",
+     "topology: odc: several nodes, refused"),
+    ("control plane", "memory ordering", (False, "neither the atomics operator nor x86-64"),
+     "control plane: memory ordering: [NO] neither"),
+])
+def test_a_row_out_of_range_makes_the_report_exit_1_and_machine_facts_do_not(section, row, value, names):
+    from ds_odc.report import out_of_range
+
+    data = _fine()
+    assert out_of_range(data) == []  # no cuda_ipc, an operator that cannot be built: facts of a CPU machine
+    data[section][row] = value
+    [found] = out_of_range(data)
+    assert found.startswith(names), found
+    data = _fine()
+    data["transports"] = {"error": "ImportError: broken"}
+    assert out_of_range(data) == ["transports: not inspected: ImportError: broken"]
+
+
+def test_output_into_a_pipe_closed_early_ends_quietly():
+    """``python -m ds_odc report | head``: the reader is gone before the report writes; no traceback."""
+    done = subprocess.Popen([sys.executable, "-m", "ds_odc", "report"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    done.stdout.close()  # closed before the report writes a byte (importing ds_odc takes seconds)
+    err = done.stderr.read().decode()
+    assert done.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err and err == "", err
