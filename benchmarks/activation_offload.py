@@ -15,7 +15,8 @@ extra time per token over "off" (the copy cost per token; on CPU the copies are 
 whole copy, nothing hidden), and with ``--device cuda`` the peak device memory of the micro-batch above what
 was allocated before it (``torch.cuda.max_memory_allocated``).
 
-    .venv/bin/python benchmarks/activation_offload.py                  # CPU, updates docs/benchmarks.md
+    .venv/bin/python benchmarks/activation_offload.py                  # CPU, prints the table
+    .venv/bin/python benchmarks/activation_offload.py --write          # CPU, and updates docs/benchmarks.md
     .venv/bin/python benchmarks/activation_offload.py --quick          # smoke run, nothing written
     python benchmarks/activation_offload.py --device cuda --lengths 4096 8192 16384 32768 --dim 1024 --layers 8
                                                                         # GPU: exits 0 with a note when no CUDA
@@ -34,15 +35,12 @@ for path in (ROOT, os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-import torch  # noqa: E402
-
-from benchmarks import cells  # noqa: E402
-
 SECTION = "## Activation offload: bytes routed and copy cost per token"
 
 
 def _naive_bytes(model, batch) -> int:
     """What a hook that copies every saved tensor (``save_on_cpu``) would move: storages counted once."""
+    import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from packed_lm import loss_sum
@@ -83,6 +81,7 @@ def _time_copies(clock: list) -> None:
 
 def run_variant(rank: int, cell: dict) -> dict:
     import deepspeed
+    import torch
 
     from packed_lm import PackedCausalLM, loss_sum, make_sample, pack
 
@@ -167,7 +166,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="short lengths, one repeat, nothing written")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--write", action="store_true",
+                        help="update the section in docs/benchmarks.md (tracked; CPU runs without --quick only)")
     args = parser.parse_args(argv)
+    import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
         print("activation_offload benchmark: no CUDA device here; skipped (run it on a GPU machine)")
         return 0
@@ -197,12 +200,14 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)
-    if not args.quick and args.device == "cpu":
+    if args.write and not args.quick and args.device == "cpu":
         _write_docs(lines, summary, args)
     return 0
 
 
 def run_cells(args, variants: dict, label: str) -> dict:
+    from benchmarks import cells
+
     results = {}
     for variant, offload in variants.items():
         cell = {"device": args.device, "lengths": args.lengths, "dim": args.dim, "layers": args.layers,
@@ -215,7 +220,7 @@ def _write_docs(lines, summary, args) -> None:
     path = os.path.join(ROOT, "docs", "benchmarks.md")
     with open(path) as docs:
         text = docs.read()
-    command = "benchmarks/activation_offload.py" + (
+    command = "benchmarks/activation_offload.py --write" + (
         "" if args.lengths == [256, 512, 1024, 2048] else " --lengths " + " ".join(map(str, args.lengths)))
     body = "\n".join([
         SECTION, "",

@@ -13,7 +13,9 @@ optimizer step), the ratio to ZeRO-3 + LB-Micro, utilisation per rank, peak RSS 
 *balance bound* (the baseline plan's ``Σ_m max_rank cost`` over this plan's ``max_rank Σ_m cost``,
 with the cost model fitted on this machine and communication free), and a timeline PNG.
 
-    .venv/bin/python benchmarks/balance_matrix.py               # full matrix, updates docs/benchmarks.md
+    .venv/bin/python benchmarks/balance_matrix.py --write       # full matrix: updates benchmarks/results/,
+                                                                # docs/benchmarks.md and its timeline PNG
+    .venv/bin/python benchmarks/balance_matrix.py               # full matrix, results into a temp folder
     .venv/bin/python benchmarks/balance_matrix.py --quick       # a smoke run (small, not written to docs)
 """
 from __future__ import annotations
@@ -24,14 +26,11 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-
-from benchmarks import cells  # noqa: E402
 
 METHODS = [("zero3", "lb-micro"), ("zero3", "local-sort"), ("odc", "lb-micro"), ("odc", "lb-mini")]
 WORLD = 2
@@ -56,6 +55,7 @@ def _ds_config(engine, metrics):
 
 def _run_cell(rank, cell):
     import deepspeed
+    import torch
 
     import ds_odc  # noqa: F401
     import ds_odc.metrics
@@ -98,12 +98,16 @@ SMOKE_PRELOAD = ("torch", "deepspeed", "ds_odc")
 
 
 def run_cell(cell, timeout_s=1800, smoke=False):
+    from benchmarks import cells
+
     return cells.run_cell(_run_cell, WORLD, cell, cell["label"], timeout_s, preload=SMOKE_PRELOAD if smoke else None)
 
 
 # -- planning --------------------------------------------------------------------------------------
 def fit_cost_model(token_cap):
     """Time single-sample forward+backward of the benchmark's model here, at lengths up to the cap."""
+    import torch
+
     from ds_odc.balance import fit_cost_model as fit
     from ds_odc.balance import forward_backward_timer
 
@@ -248,9 +252,19 @@ def main():
     parser.add_argument("--steps", type=int, default=8, help="measured steps per cell")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="repetitions of every cell, interleaved")
-    parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
-    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    parser.add_argument("--write", action="store_true",
+                        help="write the tracked files: the JSON and markdown into benchmarks/results/ and, on a full "
+                        "run, the section of --docs and its timeline PNG")
+    parser.add_argument("--results", help="folder for balance_matrix.json/.md and the PNG (default: "
+                        "benchmarks/results/ with --write, else a new temp folder)")
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"),
+                        help="the page whose section a full run with --write updates")
     args = parser.parse_args()
+    if args.results is None:
+        args.results = os.path.join(ROOT, "benchmarks", "results") if args.write else \
+            tempfile.mkdtemp(prefix="balance_matrix_")
+    import torch
+
     torch.set_num_threads(1)
     steps = 1 if args.smoke else 2 if args.quick else args.steps
     rounds = 1 if (args.smoke or args.quick) else args.rounds
@@ -303,12 +317,13 @@ def main():
                   f"util {[round(u, 3) for u in row['utilisation']]}", flush=True)
 
     from ds_odc.metrics import plot_timelines
-    writes_docs = not (args.quick or args.smoke)
+    writes_docs = args.write and not (args.quick or args.smoke)
     png = os.path.join(ROOT, "docs", "timeline_long_tailed_b4.png") if writes_docs else \
         os.path.join(args.results, "timeline.png")
     if timeline_runs:
         plot_timelines(timeline_runs, png, "2 CPU ranks, LongAlign-like lengths (1/32 scale), 4 samples per rank")
-    command = "python benchmarks/balance_matrix.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
+    command = "python benchmarks/balance_matrix.py" + (" --write" if args.write else "") + (
+        " --quick" if args.quick else " --smoke" if args.smoke else "")
     section = markdown(rows, cost_model, command, overhead)
     results_section = section
     if timeline_runs:  # the image linked relative to each page that shows it
@@ -323,6 +338,7 @@ def main():
     if writes_docs:
         update_docs(args.docs, section)
     print(section)
+    print(f"results in {args.results}" + (f"; updated {args.docs}" if writes_docs else ""))
 
 
 if __name__ == "__main__":

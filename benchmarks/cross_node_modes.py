@@ -220,8 +220,6 @@ def markdown(results: dict, steps: int, hidden: int, layers: int, warmup: int) -
 
 # -- the driver ------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    from tests.support.netns import available, two_hosts
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, 1 warm-up + 2 measured steps")
     parser.add_argument("--hidden", type=int, default=1024)
@@ -231,6 +229,8 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mode's job")
     args = parser.parse_args(argv)
+    from tests.support.netns import available, two_hosts
+
     if args.quick:
         args.hidden, args.layers, args.warmup, args.steps = 256, 4, 1, 2
     ok, reason = available()

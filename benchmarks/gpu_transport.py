@@ -40,8 +40,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/gpu_transport.py` from a checkout puts only benchmarks/ there
     sys.path.insert(0, ROOT)
 
-from ds_odc.runtime.round_kinds import RoundKind  # noqa: E402
-
 MIB = 1 << 20
 
 
@@ -163,6 +161,8 @@ def _gemm_rows(transport, args):
     """Median GEMM time on the owner's GPU (rank 1), alone and while rank 0 pulls from / pushes into it."""
     import torch
 
+    from ds_odc.runtime.round_kinds import RoundKind
+
     rank, device = transport.rank, transport.device
     rows = []
     for kind in ("pull", "push"):
@@ -211,6 +211,8 @@ def _own_gemm_under_push(transport, args):
 def _rank_main(rank, world, port, args, results):
     import torch
     import torch.distributed as tdist
+
+    from ds_odc.runtime.round_kinds import RoundKind
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     gpus = torch.cuda.device_count()

@@ -19,7 +19,8 @@ utilisation per rank from ``ds_odc.metrics`` (attached to ZeRO-3 too), peak RSS 
 *balance bound* is the cost model's prediction of ZeRO-3 + LB-Micro's step over ODC + LB-Mini's
 (``Σ_m max_rank`` over ``max_rank Σ_m``, communication free), over the measured steps.
 
-    .venv/bin/python benchmarks/hf_trainer_balance.py              # updates docs/benchmarks.md and the PNG
+    .venv/bin/python benchmarks/hf_trainer_balance.py --write      # updates docs/benchmarks.md and the PNG
+    .venv/bin/python benchmarks/hf_trainer_balance.py              # the same run; prints the section, PNG to --out
     .venv/bin/python benchmarks/hf_trainer_balance.py --quick      # 2 measured steps, nothing written
     .venv/bin/python benchmarks/hf_trainer_balance.py --smoke      # 1 warm-up and 1 measured step (the test's)
     .venv/bin/python benchmarks/hf_trainer_balance.py --only odc+lb-mini --samples-per-rank 4 --measured 24
@@ -36,12 +37,8 @@ import sys
 import tempfile
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-
-from benchmarks import cells  # noqa: E402
 
 WORLD = 2
 SCALE = 64
@@ -55,6 +52,8 @@ DOC_START, DOC_END = "<!-- hf_trainer_balance:start -->", "<!-- hf_trainer_balan
 
 # -- ranks ----------------------------------------------------------------------------------------------
 def _dataset(samples: int, seed: int):
+    import torch
+
     from packed_lm import longalign_like_lengths
 
     gen = torch.Generator().manual_seed(seed)
@@ -64,6 +63,8 @@ def _dataset(samples: int, seed: int):
 
 
 def _pad(samples):
+    import torch
+
     longest = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     labels = torch.full((len(samples), longest), -100, dtype=torch.long)
@@ -87,6 +88,8 @@ def _ds_config(method: str) -> dict:
 
 
 def _run_cell(rank: int, cell: dict) -> dict:
+    import torch
+
     import ds_odc  # noqa: F401  registers the odc stage before transformers is imported
     import ds_odc.metrics
 
@@ -148,6 +151,8 @@ SMOKE_PRELOAD = ("torch", "deepspeed", "ds_odc", "transformers", "transformers.t
 
 
 def run_cell(cell, timeout_s=1200, smoke=False):
+    from benchmarks import cells
+
     return cells.run_cell(_run_cell, WORLD, cell, cell["method"], timeout_s, preload=SMOKE_PRELOAD if smoke else None)
 
 
@@ -220,6 +225,9 @@ def main() -> None:
     parser.add_argument("--only", choices=METHODS, help="run one cell (for whole-process timing), print its "
                         "median step; with --measured steps")
     parser.add_argument("--measured", type=int, default=8)
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md's section and "
+                        "docs/img/hf_trainer_balance_timelines.png (tracked; not with --quick or --smoke)")
+    parser.add_argument("--out", help="folder for the timeline PNG without --write (default: a new temp folder)")
     options = parser.parse_args()
     if options.only:
         b = int(options.samples_per_rank.split(",")[0])
@@ -254,13 +262,23 @@ def main() -> None:
         return
     from ds_odc.metrics import plot_timelines
 
-    png = os.path.join(ROOT, "docs", "img", "hf_trainer_balance_timelines.png")
+    if options.write:
+        png = os.path.join(ROOT, "docs", "img", "hf_trainer_balance_timelines.png")
+    else:
+        png = os.path.join(options.out or tempfile.mkdtemp(prefix="hf_trainer_balance_"), "timelines.png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
     plot_timelines({"ZeRO-3 (Trainer as run today)": reports["zero3"], "ZeRO-3 + LB-Micro": reports["zero3+lb-micro"],
                     "ODC + LB-Mini (balance block)": reports["odc+lb-mini"]}, png,
                    title=f"Trainer, {sizes[-1]} samples per rank, last 2 steps")
-    command = "python benchmarks/hf_trainer_balance.py" + (f" --rounds {options.rounds}" if options.rounds > 1 else "")
-    update_docs(os.path.join(ROOT, "docs", "benchmarks.md"), markdown(table, command, png))
+    command = "python benchmarks/hf_trainer_balance.py" + (" --write" if options.write else "") + (
+        f" --rounds {options.rounds}" if options.rounds > 1 else "")
+    section = markdown(table, command, png)
+    if options.write:
+        update_docs(os.path.join(ROOT, "docs", "benchmarks.md"), section)
+        print(f"updated docs/benchmarks.md and {os.path.relpath(png, ROOT)}")
+    else:
+        print(section)
+        print(f"timelines in {png}; docs/benchmarks.md not updated (--write does)")
 
 
 if __name__ == "__main__":

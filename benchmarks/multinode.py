@@ -13,6 +13,8 @@ Reported per (link, samples per rank): samples/s (median over measured steps), t
 ZeRO-3 + LB-Micro, utilisation per rank, peak RSS per rank.
 
     .venv/bin/python benchmarks/multinode.py                       # unthrottled and 1 Gbit/s, b = 1, 2, 4, 8
+    .venv/bin/python benchmarks/multinode.py --write               # the same, into benchmarks/results/ and docs
+    .venv/bin/python benchmarks/multinode.py --write --append      # another round, added to those
     .venv/bin/python benchmarks/multinode.py --quick               # b = 1 and 4, 2 measured steps, no docs
 
 This machine has 2 cores: 4 ranks share them, so absolute times are twice a quiet rank's; every method
@@ -26,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,20 +93,27 @@ def run_cell(hosts, cell: dict, work: str, port: int, timeout_s: float) -> list:
 
 
 def main(argv=None) -> None:
-    from benchmarks import balance_matrix as bm
-    from tests.support.netns import available, two_hosts
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="b = 1 and 4, 2 measured steps, unthrottled; no docs")
     parser.add_argument("--samples-per-rank", default="1,2,4,8")
     parser.add_argument("--links", default="0,1000", help="Mbit/s of the throttled veth, 0 = unthrottled")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per cell")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
-    parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results", "multinode.json"))
+    parser.add_argument("--write", action="store_true", help="write the tracked files: the results file "
+                        "(default benchmarks/results/multinode.json) and the section of --docs")
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"),
+                        help="the page whose section --write updates")
+    parser.add_argument("--results", help="the results file (default: benchmarks/results/multinode.json with "
+                        "--write, else one in a new temp folder)")
     parser.add_argument("--append", action="store_true",
                         help="add a round to the results file; the docs show each cell's median over rounds")
     args = parser.parse_args(argv)
+    if args.results is None:
+        args.results = os.path.join(ROOT, "benchmarks", "results", "multinode.json") if args.write else \
+            os.path.join(tempfile.mkdtemp(prefix="multinode_"), "multinode.json")
+    from benchmarks import balance_matrix as bm
+    from tests.support.netns import available, two_hosts
+
     ok, reason = available()
     if not ok:
         raise SystemExit(f"cannot create two hosts here: {reason}")
@@ -159,8 +169,10 @@ def main(argv=None) -> None:
     extra = sys.argv[1:] if argv is None else argv
     command = " ".join(["`.venv/bin/python benchmarks/multinode.py", *extra]) + "`"
     section = markdown(rows, command)
-    _update_docs(args.docs, section)
+    if args.write:
+        _update_docs(args.docs, section)
     print(section)
+    print(f"results in {args.results}" + (f"; updated {args.docs}" if args.write else ""))
 
 
 def markdown(rows: list, command: str) -> str:

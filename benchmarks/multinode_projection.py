@@ -22,15 +22,13 @@ import dataclasses
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.sim.hardware import Hardware
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-from benchmarks.sim.hardware import Hardware  # noqa: E402
-from benchmarks.sim.presets import longalign_like_lengths  # noqa: E402
-from benchmarks.sim.timeline import simulate_step  # noqa: E402
-from ds_odc.balance import CostModel, Plan  # noqa: E402
-from ds_odc.runtime.cross_node_plan import GIB, ModelStates, resolve_cross_node  # noqa: E402
 
 #: name -> (parameters, decoder layers): Llama-3's counts (8.03e9 and 70.6e9 to three figures).
 MODELS = {"8B": (8_030_261_248, 32), "70B": (70_553_706_496, 80)}
@@ -47,6 +45,8 @@ DATE = "2026-11-28"
 
 def memory_rows(params: int, layers: int) -> list[tuple[str, str, list[str]]]:
     """(label, formula, GiB per GPU at each of NODES)."""
+    from ds_odc.runtime.cross_node_plan import GIB, ModelStates
+
     def cells(states_of) -> list[str]:
         return [f"{states_of(ModelStates(params, params, RANKS_PER_NODE, n)).total / GIB:.1f}" for n in NODES]
 
@@ -71,6 +71,8 @@ def equal_layers(params: int, layers: int) -> list[tuple[str, int, int]]:
 
 
 def auto_choice(params: int, layers: int, nodes: int):
+    from ds_odc.runtime.cross_node_plan import resolve_cross_node
+
     return resolve_cross_node("auto", BUDGET_GB, equal_layers(params, layers), nodes, RANKS_PER_NODE)
 
 
@@ -196,6 +198,8 @@ def _transfer(nic_bytes: float, node_bytes: float) -> float:
 def step_hardware(mode: str, params: int, layers: int, nodes: int, fraction: float = 0.0) -> Hardware:
     """Per-layer seconds of each mode for the step simulator (prefetch one layer ahead; optimizer not counted:
     it is the same 1/W update in every mode)."""
+    from benchmarks.sim.hardware import Hardware
+
     r, world, layer = RANKS_PER_NODE, RANKS_PER_NODE * nodes, params / layers
     compute = dict(layers=layers, prefetch_depth=1, seconds_per_cost_unit=6 * params / FLOPS)
     if mode == "zero3":  # all-gather / reduce-scatter over W ranks: S/R on the NIC, the rest over NVLink
@@ -211,6 +215,10 @@ def step_hardware(mode: str, params: int, layers: int, nodes: int, fraction: flo
 
 def step_section(micro_batches: int, steps: int, seed: int, means=(4096, 16384), cap: int = 65536,
                  model: str = "70B") -> list[str]:
+    from benchmarks.sim.presets import longalign_like_lengths
+    from benchmarks.sim.timeline import simulate_step
+    from ds_odc.balance import CostModel, Plan
+
     params, layers = MODELS[model]
     lines = ["### A whole step, simulated", "",
              f"{model}, step simulator (`benchmarks/sim/timeline.py`), layer by layer: {micro_batches} micro-batches "

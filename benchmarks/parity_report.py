@@ -4,15 +4,13 @@
 
 For each configuration of tests/distributed/test_parity.py: the worst relative difference over
 10 steps (max |a - b| / max |b| per tensor) of losses, full gradients and full fp32 parameters.
+Prints a markdown table; writes nothing.
 """
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.support.compare import worst_rel_diff  # noqa: E402
-from tests.support.harness import run_ranks  # noqa: E402
-from tests.support.workloads import train_pair  # noqa: E402
 
 CASES = [
     ("2 ranks, gas 1, Adam", 2, 1, {"optimizer": "adam"}),
@@ -26,7 +24,13 @@ CASES = [
 ]
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.parse_args(argv)
+    from tests.support.compare import worst_rel_diff
+    from tests.support.harness import run_ranks
+    from tests.support.workloads import train_pair
+
     print("| configuration | losses | full grads | full fp32 params |")
     print("| --- | --- | --- | --- |")
     for name, world, gas, options in CASES:

@@ -26,12 +26,8 @@ import os
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-
-from benchmarks import cells  # noqa: E402
 
 WORLD, SP, TOKEN_CAP, SAMPLES_PER_GROUP, STEPS, WARMUP = 4, 2, 1024, 4, 21, 1
 METHODS = {"odc-lb-mini": ("odc", "lb-mini"), "zero3-lb-micro": (3, "lb-micro"), "odc-lb-micro": ("odc", "lb-micro")}
@@ -40,6 +36,7 @@ MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
 
 
 def _model():
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -63,6 +60,7 @@ def _plans(policy: str, cost_model):
 
 def _run(rank: int, cell: dict) -> dict:
     import deepspeed
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -115,6 +113,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", choices=sorted(METHODS), required=True)
     args = parser.parse_args(argv)
+    from benchmarks import cells
     from ds_odc.balance import CostModel
 
     stage, policy = METHODS[args.method]

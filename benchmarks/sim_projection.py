@@ -1,6 +1,7 @@
 """Validate the step-time simulator against measured 2-rank runs, then project to 8-64 ranks.
 
-    .venv/bin/python benchmarks/sim_projection.py      # writes benchmarks/results/sim_projection.md
+    .venv/bin/python benchmarks/sim_projection.py            # prints the report
+    .venv/bin/python benchmarks/sim_projection.py --write    # and rewrites benchmarks/results/sim_projection.md
 
 1. If ``benchmarks/results/balance_matrix.json`` exists (written by benchmarks/balance_matrix.py),
    every recorded step is replayed with the simulator on the "measured" machine (the cost model and
@@ -22,15 +23,13 @@ import os
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ds_odc.balance import CostModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-from benchmarks.sim import MEASURED_COMM_KEYS, measured_preset, project, replay_run  # noqa: E402
-from benchmarks.sim.calibrate import calibrate, held_out_errors  # noqa: E402
-from benchmarks.sim.presets import INTER_NODE_LINKS, golden_preset, hierarchical_preset  # noqa: E402
-from ds_odc.balance import CostModel  # noqa: E402
-from ds_odc.errors import ODCError  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "results", "balance_matrix.json")
 DEFAULT_OUT = os.path.join(HERE, "results", "sim_projection.md")
@@ -47,7 +46,9 @@ PAPER_AT_ONE_SAMPLE = "all methods ≈ equal"
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=DEFAULT_RESULTS, help="measured runs (skipped if absent)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write")
+    parser.add_argument("--write", action="store_true",
+                        help="also write the report to benchmarks/results/sim_projection.md (tracked)")
+    parser.add_argument("--out", help="also write the report to this markdown file (instead of the tracked one)")
     parser.add_argument("--ranks", default="8,16,32,64", help="comma-separated world sizes to project")
     parser.add_argument("--samples-per-rank", default="1,2,4,8", help="comma-separated minibatch sizes b")
     parser.add_argument("--steps", type=int, default=20, help="sampled minibatches per cell")
@@ -62,6 +63,8 @@ def parse_args(argv=None):
 
 
 def _ints(text: str, name: str) -> list[int]:
+    from ds_odc.errors import ODCError
+
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -74,6 +77,10 @@ def _ints(text: str, name: str) -> list[int]:
 def load_measured(path: str) -> tuple[CostModel, dict, list[str], list[dict]]:
     """The benchmark's file: cost model, the comm constants the simulator knows (and the names of
     those it does not), and the runs."""
+    from benchmarks.sim import MEASURED_COMM_KEYS
+    from ds_odc.balance import CostModel
+    from ds_odc.errors import ODCError
+
     with open(path) as handle:
         data = json.load(handle)
     for key in ("cost_model", "runs"):
@@ -90,6 +97,9 @@ def load_measured(path: str) -> tuple[CostModel, dict, list[str], list[dict]]:
 
 
 def validation_section(path: str) -> tuple[list[str], dict]:
+    from benchmarks.sim import measured_preset, replay_run
+    from benchmarks.sim.calibrate import calibrate, held_out_errors
+
     cost_model, comm, ignored, runs = load_measured(path)
     hardware = measured_preset(cost_model, comm)
     held_out = held_out_errors(runs, cost_model, lambda run: (run.get("workload"), run.get("samples_per_rank")))
@@ -182,6 +192,9 @@ def _speedup_lines(medians: dict) -> list[str]:
 
 def projection_section(ranks: list[int], samples: list[int], steps: int, seed: int, sigma: float = 0.7,
                        plan_cost: str = "fit") -> list[str]:
+    from benchmarks.sim import project
+    from ds_odc.balance import CostModel
+
     planner = CostModel.tokens() if plan_cost == "tokens" else None
     lines = ["## Projection: the paper's golden setting on 8-64 ranks", "",
              "1.5B model (28 layers, bf16 gathers, fp32 gradient reduce), LongAlign-like lengths "
@@ -223,6 +236,9 @@ def multinode_section(steps: int, seed: int, ranks=(16, 32), samples=(1, 2, 4, 8
     """16 and 32 ranks (2 and 4 nodes of 8) under each inter-node link of INTER_NODE_LINKS: the
     collective engine, the paper's ODC (every pull and push to its owner, across nodes too) and this
     engine's (ODC inside each node, one exchange per step between nodes), both with LB-Mini."""
+    from benchmarks.sim import project
+    from benchmarks.sim.presets import INTER_NODE_LINKS, golden_preset, hierarchical_preset
+
     lines = ["## Projection across nodes: 16 and 32 ranks, by inter-node link", "",
              "The golden setting's model and lengths, 8 ranks per node (130 GB/s inside a node). Per inter-node "
              "link (per rank; collective, point-to-point): speedup of ODC + LB-Mini over collective + LB-Micro on "
@@ -250,6 +266,9 @@ def multinode_section(steps: int, seed: int, ranks=(16, 32), samples=(1, 2, 4, 8
 def sensitivity_section(steps: int, seed: int) -> list[str]:
     """The golden cell under the assumptions the projection leans on most: how heavy the length tail
     is (σ), and whether the balancers plan with the fitted cost or with token counts."""
+    from benchmarks.sim import project
+    from ds_odc.balance import CostModel
+
     lines = ["### Sensitivity of the golden cell (8 ranks, b=4)", "",
              "| length σ | balancers plan with | ODC + LB-Micro | ODC + LB-Mini |", "|---|---|---|---|"]
     for sigma in (0.5, 0.7, 1.0):
@@ -296,11 +315,15 @@ def main(argv=None) -> dict:
     if not args.no_multinode:
         lines += multinode_section(args.steps, args.seed)
     text = "\n".join(lines)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        handle.write(text)
     print(text)
-    print(f"wrote {args.out} in {time.perf_counter() - started:.1f} s")
+    out = args.out or (DEFAULT_OUT if args.write else None)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as handle:
+            handle.write(text)
+        print(f"wrote {out} in {time.perf_counter() - started:.1f} s")
+    else:
+        print(f"({time.perf_counter() - started:.1f} s; nothing written: --write or --out to keep it)")
     return summary
 
 

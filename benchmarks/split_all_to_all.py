@@ -27,13 +27,13 @@ import os
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
-
-from benchmarks import cells  # noqa: E402
 
 WORLD, GROUP = 4, 2
 
@@ -65,6 +65,7 @@ def _run(rank: int, cell: dict) -> dict:
     from multiprocessing import shared_memory
 
     import deepspeed
+    import torch
     import torch.distributed as dist
 
     from ds_odc.comm.ordering import memory_ordering
@@ -121,6 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
+    from benchmarks import cells
     from ds_odc.balance import fit_all_to_all
 
     cell = {"hidden": args.hidden, "tokens": args.tokens, "repeats": args.repeats, "warmup": args.warmup,

@@ -44,8 +44,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
-from benchmarks import cells  # noqa: E402
-
 MODEL = dict(vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=8)
 CASES = {"whole": (2, 1), "split-2": (2, 2), "split-4": (4, 4)}  # name -> (ranks, group the sample runs over)
@@ -172,6 +170,8 @@ def _run(rank: int, cell: dict) -> dict:
 
 def measure(case: str, length: int, repeats: int, device: str = "cpu") -> dict:
     """Median of each per-rank figure over ``repeats`` runs of the case, each in fresh processes."""
+    from benchmarks import cells
+
     plan = case_plan(case, length)
     runs = [cells.run_cell(_run, plan.world_size, {"plan": plan, "device": device}, f"{case} run {k}",
                            timeout_s=1800) for k in range(repeats)]

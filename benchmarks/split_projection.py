@@ -1,7 +1,8 @@
 """Splitting only the long samples, simulated: ODC + the split planner against ODC + LB-Mini,
 ZeRO-3 + LB-Micro and fixed Ulysses SP of 2, 4 and 8, at 8/16/32 ranks and 1/2/4/8 samples per rank.
 
-    .venv/bin/python benchmarks/split_projection.py            # updates the section in docs/benchmarks.md
+    .venv/bin/python benchmarks/split_projection.py            # prints the section
+    .venv/bin/python benchmarks/split_projection.py --write    # and updates it in docs/benchmarks.md
     .venv/bin/python benchmarks/split_projection.py --quick    # 3 minibatches per cell, prints only
 
 Workload: LongAlign-like lengths (lognormal σ=0.7, mean 16.5K, clipped to [512, 64K]), the paper's fitted 1.5B
@@ -22,24 +23,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.sim.split import METHODS, project_split  # noqa: E402
-from ds_odc.balance.split_cost import AllToAllCost  # noqa: E402
-
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 DOC_START, DOC_END = "<!-- split_projection:start -->", "<!-- split_projection:end -->"
 HEADING = "## Splitting only the long samples: simulator projection (`benchmarks/split_projection.py`)"
 GOAL = 0.15
 NAMES = {"odc lb-mini": "ODC + LB-Mini", "zero3 lb-micro": "ZeRO-3 + LB-Micro", "sp 2": "fixed SP 2",
          "sp 4": "fixed SP 4", "sp 8": "fixed SP 8", "odc split": "ODC + split planner"}
-#: (name, keyword arguments of project_split) for the sensitivity table; the first is the main table's setting.
-VARIANTS = [
-    ("as in the main table", {}),
-    ("largest group 4 (the 1.5B model: 12 query heads)", {"max_group": 4}),
-    ("all-to-alls 4x slower (32.5 GB/s)", {"all_to_all": AllToAllCost(bandwidth=32.5e9)}),
-    ("12 all-to-alls per layer (activation checkpointing)", {"all_to_all": AllToAllCost(all_to_alls_per_layer=12)}),
-    ("min_chunk_tokens 4096", {"min_chunk_tokens": 4096}),
-    ("heavier tail (length σ 1.0 instead of 0.7)", {"sigma": 1.0}),
-]
+
+
+def variants() -> list:
+    """(name, keyword arguments of project_split) for the sensitivity table; the first is the main table's setting."""
+    from ds_odc.balance.split_cost import AllToAllCost
+
+    return [
+        ("as in the main table", {}),
+        ("largest group 4 (the 1.5B model: 12 query heads)", {"max_group": 4}),
+        ("all-to-alls 4x slower (32.5 GB/s)", {"all_to_all": AllToAllCost(bandwidth=32.5e9)}),
+        ("12 all-to-alls per layer (activation checkpointing)",
+         {"all_to_all": AllToAllCost(all_to_alls_per_layer=12)}),
+        ("min_chunk_tokens 4096", {"min_chunk_tokens": 4096}),
+        ("heavier tail (length σ 1.0 instead of 0.7)", {"sigma": 1.0}),
+    ]
 
 
 def parse_args(argv=None):
@@ -47,7 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="sampled minibatches per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="3 minibatches per cell; print, do not write the docs")
-    parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--write", action="store_true",
+                        help="update the section in docs/benchmarks.md (tracked; not with --quick)")
+    parser.add_argument("--no-docs", action="store_true", help="print only (the default; overrides --write)")
     return parser.parse_args(argv)
 
 
@@ -58,6 +64,8 @@ def _cell(projection, method) -> str:
 
 
 def main_table(steps: int, seed: int) -> tuple[list[str], dict]:
+    from benchmarks.sim.split import METHODS, project_split
+
     projections = {(w, b): project_split(w, b, steps=steps, seed=seed) for w in (8, 16, 32) for b in (1, 2, 4, 8)}
     lines = ["| ranks | samples / rank | " + " | ".join(NAMES[m] for m in METHODS) + " |",
              "|---|---|" + "---|" * len(METHODS)]
@@ -79,9 +87,11 @@ def main_table(steps: int, seed: int) -> tuple[list[str], dict]:
 
 
 def sensitivity_table(steps: int, seed: int) -> list[str]:
+    from benchmarks.sim.split import project_split
+
     lines = ["| variant | ranks | samples / rank | split planner: idle mean / worst | best fixed SP: idle mean / "
              "worst | step, split / best fixed SP |", "|---|---|---|---|---|---|"]
-    for name, kwargs in VARIANTS:
+    for name, kwargs in variants():
         for world in (8, 16, 32):
             for b in (1, 2):
                 p = project_split(world, b, steps=steps, seed=seed, methods=("sp 2", "sp 4", "sp 8", "odc split"),
@@ -129,7 +139,7 @@ def main(argv=None) -> None:
         "", *sensitivity_table(steps, args.seed), "",
         f"Simulated in {time.perf_counter() - started:.0f} s on this machine."])
     print(section)
-    if not (args.quick or args.no_docs):
+    if args.write and not (args.quick or args.no_docs):
         write_docs(section)
         print(f"updated {os.path.relpath(DOC, ROOT)}")
 

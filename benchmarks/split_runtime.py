@@ -44,12 +44,8 @@ import os
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-
-from benchmarks import cells  # noqa: E402
 
 WORLD, TOKEN_CAP, STEPS, WARMUP, LENGTH_SCALE = 4, 4096, 17, 1, 16
 METHODS = ("odc-lb-mini", "odc-split", "fixed-sp")
@@ -62,6 +58,7 @@ ALL_TO_ALL = dict(latency=2.05e-4, bandwidth=5.94e8)
 
 
 def _model():
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -113,6 +110,7 @@ def plans(method: str, samples_per_rank: int):
 
 def _run(rank: int, cell: dict) -> dict:
     import deepspeed
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -159,6 +157,7 @@ def _run(rank: int, cell: dict) -> dict:
 
 def fit() -> dict:
     """This machine's compute fit (one rank, one thread): what ``COMPUTE`` holds."""
+    import torch
     import torch.nn.functional as F
 
     from ds_odc.balance import fit_cost_model, forward_backward_timer
@@ -181,6 +180,8 @@ def main(argv=None) -> None:
     parser.add_argument("--samples-per-rank", type=int, choices=(1, 2), default=1)
     parser.add_argument("--fit", action="store_true", help="measure and print the compute fit, then stop")
     args = parser.parse_args(argv)
+    from benchmarks import cells
+
     if args.fit:
         print(json.dumps({"compute": fit()}))
         return

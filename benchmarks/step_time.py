@@ -93,10 +93,10 @@ def run_case(stage, case, port, odc_options=None):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank-main", action="store_true")
-    parser.add_argument("--stage")
-    parser.add_argument("--case")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)  # a rank of run_case's job
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # the rank's stage (with --rank-main)
+    parser.add_argument("--case", choices=tuple(CASES), help="the workload of --one (default: skewed)")
     parser.add_argument("--odc", default="{}", help="the odc stage's odc block, as JSON")
     parser.add_argument("--one", help="run only this stage (3 or odc) on --case and print one JSON line")
     args = parser.parse_args()
