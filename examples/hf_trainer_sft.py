@@ -9,16 +9,20 @@ down; long-tailed lengths, loss on the response tokens only, normalised per toke
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/hf_trainer_sft.py --steps 40
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/hf_trainer_sft.py --steps 40
+    torchrun --nproc_per_node <GPUs> examples/hf_trainer_sft.py --steps 40       # GPUs: the same script
 
-The Trainer runs ``gradient_accumulation_steps`` micro-batches on every rank per step. To give ranks
-*different* numbers of micro-batches balanced by compute (LB-Mini, ``ds_odc.balance``), drive the
-engine from your own loop, as ``examples/train_causal_lm.py`` does.
+The device is the one DeepSpeed picks (``DS_ACCELERATOR``, else what it detects). With
+``--ds_config examples/ds_config_hf_balance_odc.json`` the ds_config's balance block plans each step's
+samples with LB-Mini, and ranks run different numbers of micro-batches of equal compute; the Trainer
+takes the same samples per step either way (docs/balancing.md). ``examples/lora_sft.py`` and
+``examples/moe_sft.py`` train this script's data with a LoRA adapter and with a mixture-of-experts model.
 """
 import argparse
 import os
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,47 +72,76 @@ def pad_collate(rows: list) -> dict:
 
 
 class PrintLoss(TrainerCallback):
-    """One plain line per logged step (rank 0), next to the Trainer's progress bar: the loss, and the gradient
-    norm the Trainer logs before clipping (the first number that shows a wrongly scaled gradient)."""
+    """One plain line per logged step (rank 0), next to the Trainer's progress bar: the loss, the gradient norm the
+    Trainer logs before clipping (the first number that shows a wrongly scaled gradient), and on the odc stage each
+    rank's micro-batch count and the most gradient bytes a rank pushed in the step."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
             norm = f" | grad norm {logs['grad_norm']:.4f}" if logs.get("grad_norm") is not None else ""
-            print(f"step {state.global_step}/{state.max_steps} | loss {logs['loss']:.4f}{norm}", flush=True)
+            counts = f" | micro-batches {logs['odc_micro_batches']}" if "odc_micro_batches" in logs else ""
+            pushed = f" | pushed {logs['ODC/push/max_bytes']:.0f} B" if "ODC/push/max_bytes" in logs else ""
+            print(f"step {state.global_step}/{state.max_steps} | loss {logs['loss']:.4f}{norm}{counts}{pushed}",
+                  flush=True)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(description: str, default_config: str = "ds_config_hf_odc.json", lr: float = 1e-2):
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
-    parser.add_argument("--ds_config", default=os.path.join(HERE, "ds_config_hf_odc.json"))
-    parser.add_argument("--output_dir", default=os.path.join("runs", "hf_trainer_sft"))
+    parser.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    parser.add_argument("--ds_config", default=os.path.join(HERE, default_config), help="the DeepSpeed config")
+    parser.add_argument("--output_dir", default=os.path.join("runs", os.path.splitext(default_config)[0]))
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def training_arguments(args) -> TrainingArguments:
+    """The Trainer's arguments, on the device DeepSpeed picks; then DeepSpeed's process group on CPU ranks.
+
+    On CPU ranks accelerate starts torch.distributed but not deepspeed.comm, and zero.Init would then size the
+    partitions for one rank: start it here, after the arguments and before any model is built (on GPUs accelerate
+    does this itself)."""
+    on_cpu = get_accelerator().device_name() == "cpu"
     training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.ds_config, use_cpu=True, max_steps=args.steps,
+        output_dir=args.output_dir, deepspeed=args.ds_config, use_cpu=on_cpu, max_steps=args.steps,
         per_device_train_batch_size=4, per_device_eval_batch_size=8, gradient_accumulation_steps=2,
         learning_rate=args.lr, warmup_steps=min(5, args.steps // 4), lr_scheduler_type="cosine", weight_decay=0.0,
         logging_steps=max(1, args.steps // 10), save_strategy="no", report_to="none", seed=0,
         average_tokens_across_devices=True, dataloader_num_workers=0)
-    # CPU ranks only: accelerate starts torch.distributed but not deepspeed.comm, and zero.Init would then
-    # size the partitions for one rank (on GPUs accelerate does this itself).
-    deepspeed.init_distributed(dist_backend="gloo")
+    if on_cpu:
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     set_seed(training_args.seed)  # every rank builds the same initial weights (zero.Init keeps each rank's part)
-    model = LlamaForCausalLM._from_config(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS))
+    return training_args
+
+
+def tiny_llama_config(**extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD,
+                       bos_token_id=BOS, eos_token_id=EOS, **extra)
+
+
+def train(model, training_args: TrainingArguments, args) -> Trainer:
+    """Train, evaluate and print one summary line on rank 0."""
     trainer = Trainer(model=model, args=training_args, data_collator=pad_collate,
                       train_dataset=InstructionDataset(2048, seed=1), eval_dataset=InstructionDataset(64, seed=2),
                       callbacks=[PrintLoss()])
     trainer.train()
     engine = trainer.model_wrapped
     eval_loss = trainer.evaluate()["eval_loss"]
-    trainer.save_model()  # full 16-bit weights (stage3_gather_16bit_weights_on_model_save)
     if trainer.is_world_process_zero():
         print(f"engine: {type(engine).__name__}, zero stage {engine.zero_optimization_stage()}, "
-              f"{training_args.world_size} ranks | eval loss {eval_loss:.4f} | saved to {args.output_dir}", flush=True)
+              f"{training_args.world_size} ranks on {get_accelerator().device_name()} | eval loss {eval_loss:.4f}",
+              flush=True)
+    return trainer
+
+
+def main():
+    args = parse_args(__doc__.split("\n")[0])
+    training_args = training_arguments(args)
+    trainer = train(LlamaForCausalLM._from_config(tiny_llama_config()), training_args, args)
+    trainer.save_model()  # full 16-bit weights (stage3_gather_16bit_weights_on_model_save)
+    if trainer.is_world_process_zero():
+        print(f"saved to {args.output_dir}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ the step. Each step prints the loss and every rank's utilisation (busy / wall, f
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/train_causal_lm.py
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_causal_lm.py
     torchrun --nproc_per_node <GPUs> examples/train_causal_lm.py        # one rank per GPU, cuda_ipc
+    deepspeed --hostfile examples/hostfile examples/train_causal_lm.py \
+        --deepspeed_config examples/ds_config_two_nodes_odc.json           # two nodes, owners on both (CPU hosts)
 
 Batches are built on the CPU by the data loader and moved to ``engine.device`` in ``loss_sum``
 (examples/packed_lm.py). ``--backend`` picks the process group's backend: gloo (the default: ODC's
@@ -39,7 +41,7 @@ SCALE = 128  # LongAlign's 64K-token cap becomes 512 tokens: a step takes a frac
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--deepspeed_config", default=os.path.join(os.path.dirname(__file__), "ds_config_odc.json"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--samples_per_rank", type=int, default=4)
@@ -63,8 +65,10 @@ def main():
         config = json.load(config_file)
     engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=token_cap), config=config)
     if rank == 0:
+        across = getattr(engine.odc_runtime, "cross_node", None)  # what cross_node resolved to, on several nodes
+        nodes = f", cross_node {across.mode}" if across is not None else ""
         print(f"engine: {type(engine).__name__}, zero stage {engine.zero_optimization_stage()}, {world} ranks, "
-              f"{args.policy} balancing, on {engine.device}")
+              f"{args.policy} balancing, on {engine.device}{nodes}")
 
     progress = sampler.group_steps(loader)
     if rank == 0:

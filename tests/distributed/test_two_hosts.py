@@ -355,6 +355,25 @@ def test_a_dev_shm_too_small_on_one_node_fails_every_rank_of_both_nodes_with_tha
         assert reports[r]["host"] == "node0" and "on node1 failed while allocating" in reports[r]["message"], reports[r]
 
 
+def test_the_two_node_example_runs_under_the_deepspeed_launcher_with_its_hostfile(hosts):
+    """The README's several-node command, as each node runs it without ssh: examples/hostfile (node0, node1) and
+    examples/ds_config_two_nodes_odc.json (owners across both nodes, ``cross_node`` "global"), unchanged."""
+    port = str(next(_ports))
+    argvs = [[os.path.join(BIN, "deepspeed"), "--hostfile", os.path.join("examples", "hostfile"), "--no_ssh",
+              "--node_rank", str(i), "--master_addr", hosts.hosts[0].hostname, "--master_port", port,
+              os.path.join("examples", "train_causal_lm.py"), "--steps", "3",
+              "--deepspeed_config", os.path.join("examples", "ds_config_two_nodes_odc.json")] for i in range(2)]
+    assert [host.hostname for host in hosts.hosts] == ["node0", "node1"]  # the names the example's hostfile uses
+    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S)
+    logs = _logs(results)
+    for result in results:
+        assert not result.timed_out and result.returncode == 0, logs
+    summary = re.search(r"engine: ODCEngine, zero stage 3, 4 ranks, .*, cross_node (\w+)", results[0].output)
+    assert summary and summary.group(1) == "global", logs
+    losses = [float(value) for value in re.findall(r"loss/token ([\d.]+)", results[0].output)]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), logs
+
+
 def test_hf_trainer_on_2x2_trains_as_on_zero3(hosts, tmp_path):
     """The unmodified Trainer example under torchrun on both hosts, with its "odc" config and with the
     same config at "stage": 3: an ODCEngine on 4 ranks, the same logged losses, gradient norms and eval loss,
