@@ -1,11 +1,10 @@
 """What ``python -m ds_odc check`` derives from a canonical "odc" ds_config and the machine facts it is given:
 the refusals ``deepspeed.initialize`` would raise, the loss rule the engine applies, and the warnings.
 
-Where initialize's refusal is a pure function, this module calls it (``select_transport``, ``accumulator_dtype``,
-``deterministic_sums``, the loss rule's ``decide``), so their words flow through. The refusals built inline while
-a session opens (``ds_odc.runtime.session.open_session``) or as the split policy attaches
-(``ODCRuntime.refuse_with_global_sharding``) are reproduced here with the same words; a unit test triggers both
-(tests/unit/test_check_command.py) so that a change on one side fails it.
+Initialize's refusals are called or built by the same functions initialize uses (``select_transport``,
+``accumulator_dtype``, ``deterministic_sums``, the loss rule's ``decide``, and the cross-node refusals of
+:mod:`ds_odc.runtime.cross_node_plan`), so their words are written once; a unit test triggers both sides
+(tests/unit/test_check_command.py).
 
 The device the refusals see is where the model's shards live, as ``session_plan`` reads it: host memory under
 ``offload_param`` (windows in host shared memory, pulls copied to the GPU), the accelerator otherwise.
@@ -19,6 +18,7 @@ import torch
 
 from ds_odc.config import ODCConfig
 from ds_odc.errors import ODCConfigError
+from ds_odc.runtime.cross_node_plan import offloads_with_global_sharding, sharding_on_gpus, with_global_sharding
 
 #: The ZeRO offloads ODC runs with (NVMe is refused by the config parse), in ``session_plan``'s order.
 OFFLOADS = ("offload_param", "offload_optimizer")
@@ -67,26 +67,6 @@ def compute_dtype(config: dict) -> Optional[torch.dtype]:
     return torch.float32
 
 
-def cross_node_on_gpus(mode: str) -> ODCConfigError:
-    """``open_session``'s refusal of ``cross_node`` other than "replicate" with shards on a GPU."""
-    return ODCConfigError(f"zero_optimization.odc.cross_node={mode!r} runs on CPU hosts for now: on GPUs pulls "
-                          "and pushes across nodes need the NVSHMEM transport, which is validated only as an item of "
-                          "the GPU kit (docs/gpu.md); use 'replicate' (the default)")
-
-
-def offloads_with_global_sharding(used: tuple, mode: str) -> ODCConfigError:
-    """``open_session``'s refusal of ZeRO offloads when owners live on other nodes."""
-    return ODCConfigError(f"zero_optimization.{' and '.join(used)} is not supported with "
-                          f"zero_optimization.odc.cross_node={mode!r} on several nodes yet (not tested with owners on "
-                          "other nodes); use cross_node 'replicate' (the default) for it")
-
-
-def with_global_sharding(what: str, mode: str) -> ODCConfigError:
-    """``ODCRuntime.refuse_with_global_sharding``'s refusal (split policy at initialize, offload_states at the call)."""
-    return ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node={mode!r} on several nodes "
-                          "yet; use cross_node 'replicate' (the default) for it")
-
-
 def refuse_at_initialize(config: dict, options: ODCConfig, machine: Machine) -> None:
     """Raise the first :class:`ODCConfigError` initialize would raise for this canonical config on ``machine``,
     in initialize's order (session plan, session, transport, split policy); the config parse has run already."""
@@ -97,8 +77,8 @@ def refuse_at_initialize(config: dict, options: ODCConfig, machine: Machine) -> 
     dtype = compute_dtype(config)
     accumulator_dtype(options, torch.bfloat16 if dtype is None else dtype, device)  # "auto": the device check only
     deterministic_sums(options, device)
-    if options.cross_node != "replicate" and device != "cpu":
-        raise cross_node_on_gpus(options.cross_node)
+    if options.cross_node in ("global", "budget") and device != "cpu" and machine.nodes > 1:
+        raise sharding_on_gpus(options.cross_node)
     used = offloads(config)
     if machine.nodes > 1 and used and options.cross_node == "global":
         raise offloads_with_global_sharding(used, "global")
@@ -153,12 +133,15 @@ def warnings(config: dict, options: ODCConfig, machine: Machine) -> List[str]:
     if nodes > 1:
         found.append(f"{nodes} nodes: ODC across hosts has run only as two hosts simulated on one machine "
                      "(docs/multinode.md), never over a real network")
-    if nodes > 1 and (mode == "replicate" or (mode == "auto" and options.node_replica_budget_gb is None)):
+    on_gpus = device != "cpu"
+    if nodes > 1 and mode == "auto" and on_gpus:
+        found.append("cross_node 'auto' on GPUs: replicate (global and budget run on CPU hosts for now)")
+    if nodes > 1 and (mode == "replicate" or (mode == "auto" and (on_gpus or options.node_replica_budget_gb is None))):
         found.append(_replicate_memory(config, options, machine, device))
     if nodes > 1 and mode == "global":
         found.append("cross_node 'global' on several nodes: engine.offload_states() is refused at the call, and "
                      "sequence parallelism (an SP mpu passed to deepspeed.initialize) at initialize")
-    if nodes > 1 and mode in ("budget", "auto") and options.node_replica_budget_gb is not None:
+    if nodes > 1 and mode in ("budget", "auto") and options.node_replica_budget_gb is not None and not on_gpus:
         later = ["engine.offload_states() at the call", "sequence parallelism at initialize"]
         if offloads(config):
             later.insert(0, f"zero_optimization.{' and '.join(offloads(config))} at initialize")

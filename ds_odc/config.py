@@ -103,8 +103,8 @@ class ODCConfig(BaseModel):
     global, except the first whole layers (forward order) whose replicated copies fit ``node_replica_budget_gb``
     (required), which are held and exchanged as with "replicate". "auto": "replicate" when its replicated part
     fits ``node_replica_budget_gb`` (or no budget is given), else "budget" when some layers fit, else "global",
-    saying which and why in the log. On one node every value is the same (nothing crosses nodes). Values other
-    than "replicate" run on CPU hosts for now (refused on GPUs by name)."""
+    saying which and why in the log. On one node every value is the same (nothing crosses nodes). "global" and
+    "budget" across nodes run on CPU hosts for now (refused on GPUs by name); on GPUs "auto" is "replicate"."""
 
     node_replica_budget_gb: Optional[Annotated[float, Field(gt=0)]] = None
     """With ``cross_node`` "budget" (required) or "auto": GiB per rank the replicated part of model states may take

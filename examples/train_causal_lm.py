@@ -10,7 +10,7 @@ the step. Each step prints the loss and every rank's utilisation (busy / wall, f
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_causal_lm.py
     torchrun --nproc_per_node <GPUs> examples/train_causal_lm.py        # one rank per GPU, cuda_ipc
     deepspeed --hostfile examples/hostfile examples/train_causal_lm.py \
-        --deepspeed_config examples/ds_config_two_nodes_odc.json           # two nodes, owners on both (CPU hosts)
+        --deepspeed_config examples/ds_config_two_nodes_odc.json           # two nodes (examples/hostfile)
 
 Batches are built on the CPU by the data loader and moved to ``engine.device`` in ``loss_sum``
 (examples/packed_lm.py). ``--backend`` picks the process group's backend: gloo (the default: ODC's
@@ -66,7 +66,7 @@ def main():
     engine, *_ = deepspeed.initialize(model=PackedCausalLM(max_len=token_cap), config=config)
     if rank == 0:
         across = getattr(engine.odc_runtime, "cross_node", None)  # what cross_node resolved to, on several nodes
-        nodes = f", cross_node {across.mode}" if across is not None else ""
+        nodes = f", cross_node {across.requested}: {across.mode}" if across is not None else ""
         print(f"engine: {type(engine).__name__}, zero stage {engine.zero_optimization_stage()}, {world} ranks, "
               f"{args.policy} balancing, on {engine.device}{nodes}")
 

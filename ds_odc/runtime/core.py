@@ -20,9 +20,8 @@ from ds_odc.comm.remote import RemoteWindows
 from ds_odc.comm.replica_link import ReplicaBlocks
 from ds_odc.comm.schedule import point
 from ds_odc.comm.transport import Transport
-from ds_odc.errors import ODCConfigError
 from ds_odc.runtime import exact_sum
-from ds_odc.runtime.cross_node_plan import CrossNodeChoice
+from ds_odc.runtime.cross_node_plan import CrossNodeChoice, with_global_sharding
 from ds_odc.runtime.layout import ShardSlot, WindowLayout, owner_slices
 from ds_odc.runtime.ledger import FENCE_WIDTH, LossNormalization, MicroBatchLedger, StepTotals
 from ds_odc.runtime.lockstep import SequenceParallelLockstep
@@ -322,9 +321,7 @@ class ODCRuntime:
         """What is not yet tested with owners on other nodes is refused by name (the same on every rank: every
         rank has the same options), before any round."""
         if self.remote is not None:
-            mode = self.cross_node.mode if self.cross_node is not None else "global"
-            raise ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node={mode!r} on several "
-                                 "nodes yet; use cross_node 'replicate' (the default) for it")
+            raise with_global_sharding(what, self.cross_node.mode if self.cross_node is not None else "global")
 
     def close(self) -> None:
         try:

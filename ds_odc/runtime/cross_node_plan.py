@@ -211,9 +211,29 @@ class CrossNodeChoice:
     reason: str
 
 
+def sharding_on_gpus(mode: str) -> ODCConfigError:
+    """The refusal of ``cross_node`` "global" or "budget" across nodes with shards on GPUs."""
+    return ODCConfigError(f"zero_optimization.odc.cross_node={mode!r} runs on CPU hosts for now: on GPUs pulls "
+                          "and pushes across nodes need the NVSHMEM transport, which is validated only as an item of "
+                          "the GPU kit (docs/gpu.md); use 'replicate' (the default) or 'auto'")
+
+
+def offloads_with_global_sharding(used: Sequence[str], mode: str) -> ODCConfigError:
+    """The refusal of ZeRO offloads when owners live on other nodes."""
+    return ODCConfigError(f"zero_optimization.{' and '.join(used)} is not supported with "
+                          f"zero_optimization.odc.cross_node={mode!r} on several nodes yet (not tested with owners on "
+                          "other nodes); use cross_node 'replicate' (the default) for it")
+
+
+def with_global_sharding(what: str, mode: str) -> ODCConfigError:
+    """The refusal of what is not yet tested with owners on other nodes (SP, the split policy, offload_states)."""
+    return ODCConfigError(f"{what} is not supported with zero_optimization.odc.cross_node={mode!r} on several nodes "
+                          "yet; use cross_node 'replicate' (the default) for it")
+
+
 def resolve_cross_node(mode: str, budget_gb: Optional[float], layers: Sequence[Layer], nodes: int,
                        ranks_per_node: int, compute_bytes: int = 2, accumulator_bytes: int = 4,
-                       optimizer_bytes_per_param: int = 12) -> CrossNodeChoice:
+                       optimizer_bytes_per_param: int = 12, sharding: bool = True) -> CrossNodeChoice:
     """Resolve ``zero_optimization.odc.cross_node`` (``mode``) and ``node_replica_budget_gb`` (``budget_gb``, GiB
     per rank for the replicated part beyond global sharding, or None) for a model of ``layers`` (forward order:
     see :func:`choose_replicated_layers`) on ``nodes`` × ``ranks_per_node`` ranks.
@@ -222,6 +242,9 @@ def resolve_cross_node(mode: str, budget_gb: Optional[float], layers: Sequence[L
     - ``replicate`` / ``global``: as asked (a budget with them is refused: it would be ignored);
     - ``budget`` (needs a budget): the layers that fit; all of them is ``replicate``, none is ``global``;
     - ``auto``: ``replicate`` without a budget or when its extra fits the budget, otherwise as ``budget``.
+
+    ``sharding`` False (shards on GPUs: owners on other nodes are not reachable one-sided yet): ``auto`` is
+    ``replicate``, and ``global`` or ``budget`` on several nodes are refused by name.
     """
     if mode not in CROSS_NODE_MODES:
         raise ODCConfigError(f"cross_node must be one of {', '.join(map(repr, CROSS_NODE_MODES))}, got {mode!r}")
@@ -244,6 +267,12 @@ def resolve_cross_node(mode: str, budget_gb: Optional[float], layers: Sequence[L
         return CrossNodeChoice(mode, "replicate", names, full,
                                f"{mode}: one node, nothing crosses nodes: replicate, {_gib(full)} per rank of "
                                "model states")
+    if not sharding and mode != "replicate":
+        if mode != "auto":
+            raise sharding_on_gpus(mode)
+        return CrossNodeChoice(mode, "replicate", names, full,
+                               f"auto on GPUs: replicate (global and budget run on CPU hosts for now), {_gib(full)} "
+                               "per rank of model states")
     if mode == "replicate":
         return CrossNodeChoice(mode, "replicate", names, full,
                                f"replicate: as configured, {_gib(full)} per rank of model states "

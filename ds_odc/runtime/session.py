@@ -25,9 +25,13 @@ from ds_odc.comm import WindowSpec, create_transport
 from ds_odc.comm.nodes import JobNodes, job_nodes
 from ds_odc.comm.remote import RemoteWindows
 from ds_odc.comm.schedule import perturb_from_environment
-from ds_odc.errors import ODCConfigError
 from ds_odc.runtime.core import ODCRuntime
-from ds_odc.runtime.cross_node_plan import CrossNodeChoice, Layer, resolve_cross_node
+from ds_odc.runtime.cross_node_plan import (
+    CrossNodeChoice,
+    Layer,
+    offloads_with_global_sharding,
+    resolve_cross_node,
+)
 from ds_odc.runtime.layout import WindowLayout
 from ds_odc.runtime.ledger import MicroBatchLedger
 from ds_odc.runtime.replica_layout import BudgetLayout, group_layers
@@ -98,18 +102,12 @@ def open_session(plan: SessionPlan, on_open: Optional[Callable[[], None]] = None
     ``on_gradients_moved``: called when a gradient read's copy ends (the adapter points its gradient views at
     :meth:`~ds_odc.runtime.core.ODCRuntime.own_gradients` again; [Note: reads are snapshots])."""
     perturb_from_environment(tdist.get_rank() if tdist.is_initialized() else 0)  # opt-in, for test runs
-    if plan.cross_node != "replicate" and torch.device(plan.device).type != "cpu":
-        raise ODCConfigError(f"zero_optimization.odc.cross_node={plan.cross_node!r} runs on CPU hosts for now: on GPUs "
-                             "pulls and pushes across nodes need the NVSHMEM transport, which is validated only as an "
-                             "item of the GPU kit (docs/gpu.md); use 'replicate' (the default)")
     nodes = nodes or job_nodes(plan.timeout_s)
     choice = cross_node_choice(plan, nodes) if nodes.node_count > 1 else None
     mode = "replicate" if choice is None else choice.mode
     spread = mode != "replicate"  # one own block per rank; owners on other nodes remote (budget: but replicas)
     if spread and plan.offloads:
-        raise ODCConfigError(f"zero_optimization.{' and '.join(plan.offloads)} is not supported with "
-                             f"zero_optimization.odc.cross_node={mode!r} on several nodes yet (not tested with owners "
-                             "on other nodes); use cross_node 'replicate' (the default) for it")
+        raise offloads_with_global_sharding(plan.offloads, mode)
     layout = plan.layout(1 if mode == "global" else nodes.node_count, choice)
     transport = create_transport(plan.transport, rank=nodes.local_rank, world_size=nodes.local_world,
                                  timeout_s=plan.timeout_s, device=plan.device, shm_dir=plan.shm_dir,
@@ -150,4 +148,5 @@ def cross_node_choice(plan: SessionPlan, nodes: JobNodes) -> CrossNodeChoice:
     accumulator = 16 if plan.exact else plan.accumulator_dtype.itemsize
     layers, _ = plan.layers()
     return resolve_cross_node(plan.cross_node, plan.replica_budget_gb, layers, nodes.node_count, nodes.local_world,
-                              plan.compute_dtype.itemsize, accumulator)
+                              plan.compute_dtype.itemsize, accumulator,
+                              sharding=torch.device(plan.device).type == "cpu")

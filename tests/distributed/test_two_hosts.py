@@ -357,7 +357,7 @@ def test_a_dev_shm_too_small_on_one_node_fails_every_rank_of_both_nodes_with_tha
 
 def test_the_two_node_example_runs_under_the_deepspeed_launcher_with_its_hostfile(hosts):
     """The README's several-node command, as each node runs it without ssh: examples/hostfile (node0, node1) and
-    examples/ds_config_two_nodes_odc.json (owners across both nodes, ``cross_node`` "global"), unchanged."""
+    examples/ds_config_two_nodes_odc.json (``cross_node`` "auto" with a budget the example's model fits), unchanged."""
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "deepspeed"), "--hostfile", os.path.join("examples", "hostfile"), "--no_ssh",
               "--node_rank", str(i), "--master_addr", hosts.hosts[0].hostname, "--master_port", port,
@@ -368,8 +368,8 @@ def test_the_two_node_example_runs_under_the_deepspeed_launcher_with_its_hostfil
     logs = _logs(results)
     for result in results:
         assert not result.timed_out and result.returncode == 0, logs
-    summary = re.search(r"engine: ODCEngine, zero stage 3, 4 ranks, .*, cross_node (\w+)", results[0].output)
-    assert summary and summary.group(1) == "global", logs
+    summary = re.search(r"engine: ODCEngine, zero stage 3, 4 ranks, .*, cross_node (\w+): (\w+)", results[0].output)
+    assert summary and summary.groups() == ("auto", "replicate"), logs
     losses = [float(value) for value in re.findall(r"loss/token ([\d.]+)", results[0].output)]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), logs
 

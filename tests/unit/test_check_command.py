@@ -140,20 +140,28 @@ def test_a_config_that_does_not_ask_for_odc_exits_1(tmp_path, capsys, monkeypatc
 
 # -- refusals initialize raises past the parse: check's words against the code initialize runs -------------------
 
-def test_cross_node_other_than_replicate_on_gpus_is_refused_in_open_sessions_words(tmp_path, capsys):
-    from ds_odc.runtime.session import SessionPlan, open_session
+def test_sharding_over_nodes_on_gpus_is_refused_in_open_sessions_words_and_auto_is_replicate(tmp_path, capsys):
+    from ds_odc.runtime.session import SessionPlan, Shard, open_session
 
-    code, data = as_json(tmp_path, capsys, config(odc={"cross_node": "global"}), "--device", "cuda")
-    plan = SessionPlan(trainable=[], frozen=[], compute_dtype=torch.float32, device="cuda", norm_groups=1,
-                       timeout_s=1.0, cross_node="global")
+    two_nodes = ("--device", "cuda", "--nodes", "2", "--ranks-per-node", "2")
+    code, data = as_json(tmp_path, capsys, config(odc={"cross_node": "global"}), *two_nodes)
+    plan = SessionPlan(trainable=[Shard(0, 8, 2, "layer.weight")], frozen=[], compute_dtype=torch.float32,
+                       device="cuda", norm_groups=1, timeout_s=1.0, cross_node="global")
     with pytest.raises(ODCConfigError) as opened:
-        open_session(plan)
+        open_session(plan, nodes=SimpleNamespace(node_count=2, local_world=2))
     assert code == 1 and data["error"] == str(opened.value)
-    # under offload_param the shards, and the windows, live in host memory: the same config runs
+    # one node: nothing crosses nodes, every value is the same layout
+    assert as_json(tmp_path, capsys, config(odc={"cross_node": "global"}), "--device", "cuda")[0] == 0
+    # auto on GPUs: replicate, said in a warning
+    code, data = as_json(tmp_path, capsys, config(odc={"cross_node": "auto", "node_replica_budget_gb": 1.0}),
+                         *two_nodes)
+    assert code == 0 and "cross_node 'auto' on GPUs: replicate" in " ".join(data["warnings"]), data
+    # under offload_param the shards live in host memory: not the GPU refusal, but the offload's own
     offloaded = config(odc={"cross_node": "global"},
                        zero_optimization={"stage": "odc", "odc": {"cross_node": "global"},
                                           "offload_param": {"device": "cpu"}})
-    assert as_json(tmp_path, capsys, offloaded, "--device", "cuda")[0] == 0
+    code, data = as_json(tmp_path, capsys, offloaded, *two_nodes)
+    assert code == 1 and data["error"].startswith("zero_optimization.offload_param is not supported"), data
 
 
 def test_offloads_with_global_sharding_on_several_nodes_are_refused_in_open_sessions_words(tmp_path, capsys):

@@ -164,14 +164,31 @@ def test_the_projection_script_prints_its_tables(capsys):
     assert text in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mode", ["global", "budget", "auto"])
-def test_modes_with_owners_on_other_nodes_are_refused_on_gpus_before_anything_is_made(mode):
-    """On GPUs pulls and pushes across nodes need the NVSHMEM transport, a GPU-kit item: refused by name at the
-    session's start, before any group, window or transport exists (no process group is needed to see it)."""
+@pytest.mark.parametrize("mode,budget", [("global", None), ("budget", 25.0)])
+def test_owners_on_other_nodes_are_refused_on_gpus_before_anything_is_made(mode, budget):
+    """On GPUs pulls and pushes across nodes need the NVSHMEM transport, a GPU-kit item: on several nodes refused by
+    name at the session's start, before any window or transport exists."""
+    from types import SimpleNamespace
+
     import torch
 
-    from ds_odc.runtime.session import SessionPlan, open_session
+    from ds_odc.runtime.session import SessionPlan, Shard, open_session
 
-    plan = SessionPlan((), (), torch.bfloat16, "cuda:0", 1, 5.0, cross_node=mode)
+    plan = SessionPlan((Shard(0, 8, 2, "layers.0.weight"),), (), torch.bfloat16, "cuda:0", 1, 5.0, cross_node=mode,
+                       replica_budget_gb=budget)
     with pytest.raises(ODCConfigError, match=f"cross_node='{mode}' runs on CPU hosts for now.*NVSHMEM"):
-        open_session(plan)
+        open_session(plan, nodes=SimpleNamespace(node_count=2, local_world=2))
+
+
+def test_on_gpus_auto_is_replicate_and_one_node_refuses_nothing():
+    """``auto`` picks what runs: on GPUs replicate, saying why; on one node every value is the one-node layout."""
+    names = tuple(n for n, _, _ in LAYERS_70B)
+    for budget in (None, 20.0, 0.2):
+        choice = resolve_cross_node("auto", budget, LAYERS_70B, 2, 8, sharding=False)
+        assert (choice.mode, choice.replicated_layers) == ("replicate", names)
+        assert choice.reason.startswith("auto on GPUs: replicate"), choice.reason
+    for mode, budget in (("global", None), ("budget", 20.0)):
+        one = resolve_cross_node(mode, budget, LAYERS_70B, nodes=1, ranks_per_node=8, sharding=False)
+        assert one.mode == "replicate" and "nothing crosses nodes" in one.reason
+        with pytest.raises(ODCConfigError, match=f"cross_node='{mode}' runs on CPU hosts for now"):
+            resolve_cross_node(mode, budget, LAYERS_70B, nodes=2, ranks_per_node=8, sharding=False)
