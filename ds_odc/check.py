@@ -101,9 +101,9 @@ def read_config(path: str) -> dict:
     try:
         with open(path, "rb"):
             pass
-        from ds_odc.integration.initialize import _load_ds_config
+        from ds_odc.integration.initialize import load_ds_config
 
-        config = _load_ds_config(path)
+        config = load_ds_config(path)
     except OSError as err:
         raise UsageError(f"{path}: cannot be read ({err.strerror or err})") from None
     except ValueError as err:  # hjson's decode error, DeepSpeed's duplicate keys

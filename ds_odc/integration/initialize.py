@@ -46,17 +46,17 @@ def _resolve_config(bound: inspect.BoundArguments):
     if from_args:
         config = args_config
     if config is not None and not isinstance(config, dict):
-        config = _load_ds_config(config)
+        config = load_ds_config(config)
     return config, from_args
 
 
-def _load_ds_config(path_or_base64: str) -> dict:
+def load_ds_config(path_or_base64: str) -> dict:
     """The ds_config a path (or base64 text) names, read as deepspeed.initialize reads it (surface_table.LOAD_DS_CONFIG:
     DeepSpeed's own reader where the release has one, else DeepSpeedConfig's way: hjson, duplicate keys refused)."""
     if has(LOAD_DS_CONFIG):
-        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config as deepspeeds_reader
 
-        return load_ds_config(path_or_base64)
+        return deepspeeds_reader(path_or_base64)
     import base64
     import os
 
