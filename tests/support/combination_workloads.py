@@ -45,6 +45,7 @@ from tests.support.combination_reference import (
     prompt,
     tiny_llama,
 )
+from tests.support.frozen_heap import freeze_imports
 
 #: a rank that makes no progress is named by its peers after this long (a bug found by a job fails the job, not
 #: the whole list); the process group's bound (harness pg_timeout_s) is longer
@@ -421,11 +422,7 @@ def run_jobs(jobs, out_dir: str, shm_dir: str, ckpt_root: str, zero3: bool = Tru
     import transformers.modeling_utils  # noqa: F401  imported before the freeze below, not inside the first job
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    # Every engine's initialize runs a full garbage collection (ZeRO-3's defragment), which walks every object of
-    # the process: transformers' and DeepSpeed's modules make that seconds. What exists now lives as long as the
-    # process anyway; frozen, a collection walks only what the jobs make.
-    gc.collect()
-    gc.freeze()
+    freeze_imports()  # what exists now lives as long as the process; each job's collections walk what it makes
     tdist.barrier()
     done = []
     for index, job in enumerate(jobs):

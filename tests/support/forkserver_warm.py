@@ -7,8 +7,13 @@ forkserver still leaves CUDA alone)."""
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 
+from tests.support.frozen_heap import freeze_imports
+
 if get_accelerator().device_name() == "cpu":
     deepspeed.ops.__compatible_ops__  # noqa: B018 - the probe, cached in the module
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         builder.load(verbose=False)
+
+# Last, after every preload: the ranks forked from this server inherit their imports frozen (see frozen_heap).
+freeze_imports()

@@ -199,8 +199,10 @@ def cases(names, out_dir):
         sync_workloads,
         workloads,
     )
+    from tests.support.frozen_heap import freeze_imports
 
     torch.set_num_threads(1)
+    freeze_imports()  # imports done: each case's engines collect only what they make
     counting = bool({"collectives", "global_collectives", "budget_collectives"} & set(names.split(",")))
     if counting:
         sync_workloads.install_collective_counter()  # before the process group, as the single-node test does
@@ -377,7 +379,9 @@ def ranks(node, local_world, world, master_addr, master_port, *argv):
 
     import ds_odc  # noqa: F401
     from tests.support import global_workloads, workloads  # noqa: F401
+    from tests.support.frozen_heap import freeze_imports
 
+    freeze_imports()
     pids = []
     for local in range(int(local_world)):
         pid = os.fork()
