@@ -12,10 +12,10 @@ MARKERS_BY_DIRECTORY = {"distributed": "distributed", "gpu": "gpu"}
 MARKERS_BY_FILE = {"test_two_hosts.py": "multi_host", "test_two_hosts_global.py": "multi_host"}
 #: The longest files, longest first (measured: tests/README.md). They are collected first, so that with several
 #: workers (tests/workers.py) none of them starts last and leaves one worker running alone at the end.
-LONGEST_FIRST = ["test_two_hosts_global.py", "test_two_hosts.py", "test_fault_matrix.py", "test_split_runtime.py",
-                 "test_hf_balance.py", "test_combinations.py", "test_hf_example.py", "test_offload_states.py",
-                 "test_sequence_parallel.py",
-                 "test_gpu_kit_smoke.py", "test_benchmark_smoke.py", "test_step_failures.py"]
+LONGEST_FIRST = ["test_two_hosts_global.py", "test_two_hosts.py", "test_combinations.py", "test_hf_example.py",
+                 "test_gpu_kit_smoke.py", "test_offload_states.py", "test_step_failures.py", "test_fault_matrix.py",
+                 "test_benchmark_smoke.py", "test_split_runtime.py", "test_hf_balance.py", "test_autoload.py",
+                 "test_sequence_parallel.py"]
 
 
 def pytest_report_header(config):
