@@ -244,6 +244,9 @@ def second(ctx: Context) -> List[Item]:
                    ["tests/gpu/test_cuda_fp16.py"], None, 25),
         split_memory,
         nvshmem,
+        ctx.pytest("examples", "the examples as written, one rank on the GPU the environment gives (no accelerator "
+                   "named): the causal LM, the HF Trainer with the balance block, TRL SFT, LoRA, mixture of experts",
+                   ["tests/gpu/test_examples_cuda.py"], None, 150),
         # -- Later items go here, before the two slow checks below.
         jit,
         memcheck,

@@ -405,13 +405,13 @@ def gpu_ctx(**machine):
 
 
 def test_the_nvshmem_item_is_declared_in_the_second_command_with_its_own_folder_of_wheels():
-    """Before the two slow checks; only it has the NVSHMEM wheels' folder on PYTHONPATH; a CPU run does not
+    """Before the examples and the two slow checks; only it has the NVSHMEM wheels' folder on PYTHONPATH; a CPU run does not
     start it; nothing in ds_odc imports nvshmem."""
     from gpu_validation import items
 
     ctx = gpu_ctx()
     names = [i.name for i in items.second(ctx)]
-    assert names[-3:] == ["nvshmem", "jit-build", "memcheck-kernel-sweep"]
+    assert names[-4:] == ["nvshmem", "examples", "jit-build", "memcheck-kernel-sweep"]
     assert "nvshmem" not in [i.name for i in items.first(ctx)]
     item = next(i for i in items.second(ctx) if i.name == "nvshmem")
     assert item.command[1] == NVSHMEM_PROBE and item.command[2:] == ["--elements", str(64 << 20)]
