@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from ds_odc.arguments import is_whole_number
 from ds_odc.check_rules import Machine, loss_rule, refuse_at_initialize, warnings
 from ds_odc.config import ENV_SWITCH, MARKER_KEY, canonicalize
 from ds_odc.errors import ODCConfigError
@@ -138,7 +139,7 @@ def accumulation_steps(config: dict, machine: Machine) -> tuple[int, str]:
             steps = max(batch // micro // machine.world_size, 1)
             return steps, f"train_batch_size {batch} / ({micro} x {machine.world_size} ranks)"
         return 1, "unset, 1 as DeepSpeed takes it"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole_number(value, 1):
         raise ODCConfigError(f"gradient_accumulation_steps={value!r}: a whole number >= 1, or \"auto\"")
     return value, "the config"
 

@@ -29,6 +29,7 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
+from ds_odc.arguments import require_whole_number
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.partition import karmarkar_karp
 from ds_odc.errors import ODCError
@@ -41,8 +42,7 @@ def check_padding(padding: str, pad_to_multiple_of: int) -> None:
     exists for padding collators, so a multiple other than 1 with packed samples is a mistake."""
     if padding not in PADDINGS:
         raise ODCError(f"unknown padding {padding!r}; choose one of {', '.join(PADDINGS)}")
-    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
-        raise ODCError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+    require_whole_number("pad_to_multiple_of", pad_to_multiple_of, 1)
     if padding == "packed" and pad_to_multiple_of != 1:
         raise ODCError(f"pad_to_multiple_of={pad_to_multiple_of} needs padding='padded': packed samples are not padded")
 

@@ -86,6 +86,7 @@ import dataclasses
 import random
 from typing import Sequence
 
+from ds_odc.arguments import require_whole_number
 from ds_odc.balance.cost import CostModel
 from ds_odc.balance.packing import PackedPacker, minimal_micro_batches
 from ds_odc.balance.partition import refine
@@ -122,8 +123,7 @@ def plan_split(lengths: Sequence[int], world_size: int, token_cap: int, cost_mod
     lengths = tuple(int(s) for s in lengths)
     for name, value in (("world_size", world_size), ("node_size", node_size), ("max_group", max_group),
                         ("min_chunk_tokens", min_chunk_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ODCError(f"plan_split: {name} must be an int >= 1, got {value!r}")
+        require_whole_number(f"plan_split: {name}", value, 1)
     if not 0.0 <= min_gain < 1.0:
         raise ODCError(f"plan_split: min_gain must be in [0, 1), got {min_gain}")
     forced = smallest_groups(lengths, token_cap, world_size, node_size, max_group)

@@ -33,6 +33,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
+from ds_odc.arguments import require_whole_number
 from ds_odc.balance.cost import CostModel, median_time, nonnegative_least_squares
 from ds_odc.errors import ODCError
 
@@ -63,9 +64,7 @@ class AllToAllCost:
 
     def __post_init__(self):
         for name in ("layers", "all_to_alls_per_layer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ODCError(f"AllToAllCost.{name} must be an int >= 0, got {value!r}")
+            require_whole_number(f"AllToAllCost.{name}", getattr(self, name), 0)
         if not self.bytes_per_token >= 0:
             raise ODCError(f"AllToAllCost.bytes_per_token must be >= 0, got {self.bytes_per_token}")
         if not self.bandwidth > 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from ds_odc.arguments import require_whole_number
 from ds_odc.balance.split_plan import aligned_groups, group_sizes
 from ds_odc.errors import ODCConfigError, ODCError
 
@@ -36,9 +37,7 @@ class SplitLimits:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "node_size", "max_group"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ODCError(f"SplitLimits: {name} must be an int >= 1, got {value!r}")
+            require_whole_number(f"SplitLimits: {name}", getattr(self, name), 1)
         if self.max_group & (self.max_group - 1) or self.max_group > LARGEST_GROUP:
             raise ODCError(f"SplitLimits: max_group must be 1, 2, 4 or {LARGEST_GROUP}, got {self.max_group}")
         if self.node_size > self.world_size:

@@ -39,9 +39,9 @@ Choosing: 80 layers of the same size, a 20 GiB budget; the first 64 layers fit i
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Sequence, Tuple
 
+from ds_odc.arguments import is_finite_number, is_whole_number, require_finite_number, require_whole_number
 from ds_odc.errors import ODCConfigError
 
 CROSS_NODE_MODES = ("replicate", "global", "budget", "auto")
@@ -186,9 +186,7 @@ def choose_replicated_layers(layers: Sequence[Layer], budget_bytes: float, nodes
     _positive_int("ranks_per_node", ranks_per_node)
     _positive_int("compute_bytes", compute_bytes)
     _positive_int("accumulator_bytes", accumulator_bytes)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes >= 0 \
-            or math.isinf(budget_bytes):
-        raise ODCConfigError(f"budget_bytes must be a finite number >= 0, got {budget_bytes!r}")
+    require_finite_number("budget_bytes", budget_bytes, 0, ODCConfigError)
     chosen, used = [], 0.0
     for name, trainable, frozen in layers:
         used += replicated_extra_bytes(trainable, frozen, nodes, ranks_per_node, compute_bytes, accumulator_bytes)
@@ -248,8 +246,7 @@ def resolve_cross_node(mode: str, budget_gb: Optional[float], layers: Sequence[L
     """
     if mode not in CROSS_NODE_MODES:
         raise ODCConfigError(f"cross_node must be one of {', '.join(map(repr, CROSS_NODE_MODES))}, got {mode!r}")
-    if budget_gb is not None and (isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float))
-                                  or not budget_gb >= 0 or math.isinf(budget_gb)):
+    if budget_gb is not None and not is_finite_number(budget_gb, 0):
         raise ODCConfigError(f"node_replica_budget_gb must be a finite number of GiB >= 0 or unset, got {budget_gb!r}")
     if mode == "budget" and budget_gb is None:
         raise ODCConfigError("cross_node 'budget' needs node_replica_budget_gb (GiB per rank for replicated layers)")
@@ -311,13 +308,11 @@ def _gib(value: float, digits: int = 1) -> str:
 
 
 def _count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-        raise ODCConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    require_finite_number(name, value, 0, ODCConfigError)
 
 
 def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ODCConfigError(f"{name} must be an int >= 1, got {value!r}")
+    require_whole_number(name, value, 1, ODCConfigError)
 
 
 def _check_layers(layers: Sequence[Layer]) -> None:
@@ -332,5 +327,5 @@ def _check_layers(layers: Sequence[Layer]) -> None:
             raise ODCConfigError(f"layers[{index}]: {name!r} appears twice (a layer is replicated whole, once)")
         seen.add(name)
         for what, value in (("trainable_numel", trainable), ("frozen_numel", frozen)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_whole_number(value, 0):
                 raise ODCConfigError(f"layers[{index}] ({name!r}): {what} must be an int >= 0, got {value!r}")

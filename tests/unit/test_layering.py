@@ -9,8 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 #: What each layer may import from ds_odc (a module, or a package and everything under it).
 ALLOWED = {
-    "comm": ("ds_odc.comm", "ds_odc.errors", "ds_odc.ops_builder"),
-    "runtime": ("ds_odc.runtime", "ds_odc.comm", "ds_odc.errors", "ds_odc.ops_builder"),
+    "comm": ("ds_odc.comm", "ds_odc.errors", "ds_odc.arguments", "ds_odc.ops_builder"),
+    "runtime": ("ds_odc.runtime", "ds_odc.comm", "ds_odc.errors", "ds_odc.arguments", "ds_odc.ops_builder"),
 }
 #: Libraries a DeepSpeed-agnostic layer never imports.
 FOREIGN = ("deepspeed", "transformers", "accelerate")
