@@ -37,12 +37,9 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.comm.backoff import wait_until
-from ds_odc.comm.failure import FailureKind, FailureRecord
+from ds_odc.comm.failure import CAUSE_GRACE_S, FailureKind, FailureRecord, wait_for_cause
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
-#: How long a broken collective waits for the board to say why (a node names a dead rank within
-#: milliseconds; its ranks may be busy for a while before their next round notices it).
-CAUSE_GRACE_S = 10.0
 #: The longest a call to the job's store may take before the store counts as unreachable.
 STORE_CALL_BOUND_S = 10.0
 #: How often a rank waiting in the exchange reads the board (and beats its heartbeat).
@@ -330,18 +327,9 @@ class TorchDistributedLink(CrossNodeLink):
                               "(zero_optimization.odc.timeout_s)", record)
 
     def _cause(self, grace_s: float) -> Optional[FailureRecord]:
-        """The board's record, waiting up to ``grace_s`` for it: a collective breaks as soon as a peer's
-        connection closes, a little before that peer's node has named what happened to it."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            try:
-                record = self.board.read()
-            except ODCPeerError:
-                return None
-            if record is not None or time.monotonic() > deadline:
-                return record
-            self.heartbeat()
-            time.sleep(0.01)
+        """The board's record, waiting up to ``grace_s`` for it (:func:`~ds_odc.comm.failure.wait_for_cause`),
+        beating this rank's heartbeat meanwhile."""
+        return wait_for_cause(self.board.read, grace_s, self.heartbeat)
 
 
 class GlobalLink(TorchDistributedLink):

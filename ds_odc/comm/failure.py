@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import enum
 import struct
+import time
 from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ds_odc.errors import ODCPeerError
 
 #: Longest encoding, header included (a control block reserves this much; longer messages are cut).
 RECORD_BYTES = 1024
 _HEADER = struct.Struct("<qqq")  # origin, step, kind
+#: How long a rank whose message or collective to another node broke waits for the job's failure board to say why
+#: (a node names a dead rank within milliseconds; its ranks may be busy for a while before their next round
+#: notices it). Bounded by the job's ``timeout_s`` where that is shorter.
+CAUSE_GRACE_S = 10.0
+#: How often that wait reads the board.
+CAUSE_POLL_S = 0.01
 
 
 class FailureKind(enum.IntEnum):
@@ -57,3 +67,22 @@ class FailureRecord:
         origin, step, kind = _HEADER.unpack_from(raw)
         where, _, error = raw[_HEADER.size:].decode("utf-8", "replace").partition("\n")
         return cls(origin, step, where, error, FailureKind(kind))
+
+
+def wait_for_cause(read: Callable[[], Optional[FailureRecord]], grace_s: float,
+                   between_reads: Callable[[], None] = lambda: None) -> Optional[FailureRecord]:
+    """The failure board's record, read with ``read`` until one is posted or ``grace_s`` has passed. A link to
+    another node breaks as soon as a peer's connection closes, a little before that peer's node has named what
+    happened to it, so the better explanation is worth a short wait. None when nothing was posted in time, or the
+    board itself cannot be reached (``read`` raised :class:`~ds_odc.errors.ODCPeerError`): the caller then names
+    what it saw. ``between_reads`` runs after each empty read (a rank that waits keeps its heartbeat)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            record = read()
+        except ODCPeerError:
+            return None
+        if record is not None or time.monotonic() > deadline:
+            return record
+        between_reads()
+        time.sleep(CAUSE_POLL_S)

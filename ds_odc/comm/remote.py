@@ -37,7 +37,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_odc.comm.batch import COMPLETED, Completion, Transfer
-from ds_odc.comm.failure import FailureRecord
+from ds_odc.comm.failure import CAUSE_GRACE_S, FailureRecord, wait_for_cause
 from ds_odc.comm.schedule import point
 from ds_odc.errors import ODCPeerError, ODCTimeoutError
 
@@ -46,8 +46,6 @@ READ, PUSH, STOP = 1, 2, 3
 HEADER_WIDTH = 4  # op, offset, numel, dtype code
 #: Gradient dtypes a push may carry, by code (the code travels in the request's header).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: How long a broken request waits for the failure board to say why (as the cross-node link does).
-CAUSE_GRACE_S = 10.0
 #: How long closing waits for its stops to be sent (peers that are gone or unreachable need none).
 STOP_WAIT_S = 2.0
 
@@ -163,7 +161,7 @@ class RemoteWindows:
     def _broken(self, err: Exception, owner: int, doing: str) -> NoReturn:
         """Raise for a message to ``owner`` that failed: naming the job's failure if one is posted within the
         grace, else the owner and what gloo said."""
-        record = self._posted_cause()
+        record = wait_for_cause(self.cause, min(CAUSE_GRACE_S, self.timeout_s))
         if record is not None:
             raise ODCPeerError(f"{record.describe()}; rank {self.rank} was {doing} (owner: rank {owner} on "
                                "another node)", record) from err
@@ -173,17 +171,6 @@ class RemoteWindows:
                                   "(zero_optimization.odc.timeout_s)", None) from err
         raise ODCPeerError(f"rank {self.rank} lost rank {owner} on another node while {doing}: {err}",
                            None) from err
-
-    def _posted_cause(self) -> Optional[FailureRecord]:
-        deadline = time.monotonic() + min(CAUSE_GRACE_S, self.timeout_s)
-        while True:
-            try:
-                record = self.cause()
-            except ODCPeerError:
-                return None
-            if record is not None or time.monotonic() > deadline:
-                return record
-            time.sleep(0.01)
 
     # -- the server side (a thread of this rank) -------------------------------------------------------
     def _serve(self) -> None:
