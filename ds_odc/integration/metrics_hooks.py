@@ -15,11 +15,12 @@ class is patched, so other engines in the process are untouched). The hooks are 
 
 Counted as well (``StepReport.counters``): the tokens each forward receives (``input_ids``, else the first
 tensor argument: :func:`~ds_odc.integration.activation_offload.tokens_of`); on ODC the bytes of every pull
-(``pull_many`` / ``pull`` of the runtime) and push (its ``push``), the cross-node exchange inside the step (the
-link's ``reduce_gradients`` / ``gather_windows``, on several nodes), the split micro-batches
-(``engine.odc_micro_batch`` of a split entry, timed) and the bytes activation offload moved; and every rank's
-micro-batch count from the fence. After the step, the :class:`~ds_odc.integration.metrics_publish.Publisher`
-writes the monitor's figures and the timeline.
+(``pull_many`` / ``pull`` of the runtime) and push (the gradient handed to its ``push``: what ZeRO-3's
+reduce-scatters take, also under ``deterministic``, whose two fp64 parts per value the runtime cuts afterwards),
+the cross-node exchange inside the step (the link's ``reduce_gradients`` / ``gather_windows``, on several nodes),
+the split micro-batches (``engine.odc_micro_batch`` of a split entry, timed) and the bytes activation offload
+moved; and every rank's micro-batch count from the fence. After the step, the
+:class:`~ds_odc.integration.metrics_publish.Publisher` writes the monitor's figures and the timeline.
 """
 from __future__ import annotations
 
