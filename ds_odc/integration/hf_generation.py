@@ -17,9 +17,10 @@ policy keeps transformers' lockstep) are left alone; ``engine.destroy()`` takes 
 Under Ulysses sequence parallelism ``generate()`` is refused, naming why, unless the caller says
 ``synced_gpus``: ALST's attention shards the *sequence* over the SP group and all-to-alls it at every layer,
 which decoding cannot do (a decoded token sits on one rank, and each rank's cache holds its own slice of the
-prompt, so the group's attention over their concatenation is not the model's). Keeping the group in step
-(one forward per token on every member) would make it run, not make it right. Generate on a model without
-SP (a rollout engine, or the weights gathered into a plain copy).
+prompt, so the group's attention over their concatenation is not the model's). An explicit ``synced_gpus``
+hands the call to transformers and ALST as on ZeRO-3 + SP: with the KV cache (the default) ALST's attention
+fails at the first decoded token; with ``use_cache=False`` the group runs in step, but its tokens are not the
+model's. Generate on a model without SP (a rollout engine, or the weights gathered into a plain copy).
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ _PATCHES = PatchSet("ODC models' generate")
 SP_REFUSAL = ("generate() on a model trained with Ulysses sequence parallelism (the odc stage's SP lockstep is "
               "on): ALST's attention splits the sequence over the SP group at every layer, which decoding cannot "
               "do, so the tokens would not be the model's. Generate with a model without SP (a rollout engine, or "
-              "a copy of the gathered weights), or pass synced_gpus explicitly to take that responsibility")
+              "a copy of the gathered weights). An explicit synced_gpus leaves the call to transformers and ALST, "
+              "as on ZeRO-3 + SP: with the KV cache it fails at the first decoded token, and without it the tokens are "
+              "still not the model's")
 
 
 def bind(module: Any, under_sequence_parallelism: Callable[[], bool]) -> None:

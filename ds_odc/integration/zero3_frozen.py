@@ -45,11 +45,13 @@ class FrozenSession:
         others = [] if include is None else [s for s in include if s != OffloadStateTypeEnum.lp_params]
         if others:
             raise ODCConfigError(f"offload_states(include={[s.value for s in include]}): an engine without an "
-                                 "optimizer has only its parameters (lp_params) to move")
+                                 "optimizer has only its parameters (lp_params) to move: call offload_states() or "
+                                 "offload_states(include=[OffloadStateTypeEnum.lp_params])")
         offload_param = engine.zero_offload_param()
         if offload_param is not None and offload_param.device != OffloadDeviceEnum.none:
             raise ODCConfigError("offload_states: the parameters of this engine are offloaded already "
-                                 "(zero_optimization.offload_param)")
+                                 "(zero_optimization.offload_param), in host memory: there is nothing to move, so "
+                                 "leave this engine out of offload_states() and reload_states()")
         if device == OffloadDeviceEnum.none:
             logger.warning("No device specified for offloading states.")  # DeepSpeed's answer
             return

@@ -125,9 +125,14 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ODCConfigError("zero_optimization.offload_optimizer to NVMe is not supported with the odc stage")
         import deepspeed.comm as dist
 
-        if dist.get_world_size(group=self.dp_process_group) != dist.get_world_size():
-            raise ODCConfigError("the odc stage needs the data-parallel group to span every rank "
-                                 "(no model, tensor, pipeline or sequence parallelism yet)")
+        data_parallel, world = dist.get_world_size(group=self.dp_process_group), dist.get_world_size()
+        if data_parallel != world:
+            raise ODCConfigError(
+                f"the odc stage needs the data-parallel group to span every rank; this one holds {data_parallel} of "
+                f"the {world} ranks: tensor, pipeline or other model parallelism (an mpu whose data-parallel group "
+                "is smaller than the world) is not supported. Pass an mpu whose data-parallel group is every rank, "
+                "or none (Ulysses sequence parallelism through ALST's mpu is supported: its sequence-data-parallel "
+                "group spans every rank)")
         plan = windows.session_plan(self, self._odc_options, resolve_timeout_s(self._odc_options.timeout_s))
         self._odc_runtime = open_session(plan, on_open=lambda: windows.publish_rebound_shards(self, self.odc),
                                          on_gradients_moved=lambda: windows.adopt_accumulator(self, self.odc))
