@@ -26,8 +26,10 @@ import torch
 
 from ds_odc.errors import ODCConfigError
 
-#: Architectures whose plain loads and stores already order as acquire and release (TSO).
-TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
+#: Architectures whose plain 64-bit loads and stores are single accesses (atomic when aligned) that already order as
+#: acquire and release (TSO): x86-64. Not 32-bit x86: TSO too, but it stores a 64-bit word as two 32-bit halves, so a
+#: peer could read half of a new sequence number.
+TSO_MACHINES = ("x86_64", "amd64")
 
 _lock = threading.Lock()
 _ordering = None
