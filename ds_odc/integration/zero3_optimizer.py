@@ -22,6 +22,7 @@ replace are in ZeRO-3); ``zero_grad`` called outside a step discards every rank'
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 from typing import Optional
@@ -163,7 +164,8 @@ class ODCStage3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def _odc_push_bucket(self, communication_data_type: torch.dtype) -> None:
         bucket = self.ipg_buckets[communication_data_type]
         if len({p.ds_id for p in bucket.params}) != len(bucket.params):  # ZeRO-3 asserts the same
-            twice = sorted({p.ds_id for p in bucket.params if bucket.params.count(p) > 1})
+            seen = collections.Counter(p.ds_id for p in bucket.params)  # by id: == on tensors compares elements
+            twice = sorted(ds_id for ds_id, times in seen.items() if times > 1)
             raise RuntimeError(f"parameters {twice} reached ZeRO-3's gradient bucket twice in one backward (a ZeRO-3 "
                                "leaf module run more than once per forward?): their gradients cannot be pushed once "
                                "each")
