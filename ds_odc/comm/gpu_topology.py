@@ -40,7 +40,7 @@ def resolve_peer_devices(devices: Sequence[RankDevice], rank: int, local_uuids: 
     hosts = sorted({d.host for d in devices})
     if len(hosts) != 1:
         raise ODCConfigError(
-            f"zero_optimization.odc.transport='cuda_ipc' maps peers of one host only, got hosts {hosts}: across "
+            f"zero_optimization.odc.transport='cuda_ipc' maps the peers of one host, got hosts {hosts}: across "
             "nodes each node's ranks form their own cuda_ipc group, joined by zero_optimization.odc.cross_node "
             "('replicate' on GPUs; docs/multinode.md)")
     index_of = {uuid: i for i, uuid in enumerate(local_uuids)}
