@@ -28,7 +28,8 @@ from ds_odc.runtime.lockstep import SequenceParallelLockstep
 from ds_odc.runtime.replica_layout import BudgetLayout
 from ds_odc.runtime.round_kinds import RoundKind
 from ds_odc.runtime.split_lockstep import SplitLockstep
-from ds_odc.runtime.step import GlobalNorms, Phase, StepProtocol, StepUpdate
+from ds_odc.runtime.step import Phase, StepProtocol
+from ds_odc.runtime.step_update import GlobalNorms, StepUpdate
 
 #: How long :meth:`ODCRuntime.close` waits for every peer on other nodes to close too (global sharding).
 REMOTE_CLOSE_WAIT_S = 2.0

@@ -60,9 +60,7 @@ Pulls are read-only, so a failed pull (and a failed forward) is safe to retry.
 """
 from __future__ import annotations
 
-import abc
 import contextlib
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -79,43 +77,11 @@ from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import Residency
 from ds_odc.runtime.round_kinds import Activity, RoundKind
+from ds_odc.runtime.step_update import GlobalNorms, StepUpdate
 
 #: The rounds outside a step that read or write a window, and which one.
 _ROUND_NEEDS = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
                 RoundKind.GRADIENT_NORM: {"grads"}}
-
-
-@dataclass(frozen=True)
-class GlobalNorms:
-    """The norm round's result: per norm group, the squared L2 norm of the whole normalised gradient."""
-
-    squared: torch.Tensor  # float64, one entry per norm group
-
-    @property
-    def finite(self) -> bool:
-        return bool(torch.isfinite(self.squared).all())
-
-    def group_norms(self) -> torch.Tensor:
-        return self.squared.sqrt()
-
-    def total(self) -> float:
-        return float(self.squared.sum().sqrt())
-
-
-class StepUpdate(abc.ABC):
-    """What an engine adapter supplies to a step: the norm inputs and the update itself."""
-
-    gradient_accumulation_steps: int = 1
-
-    @abc.abstractmethod
-    def squared_norms(self) -> torch.Tensor:
-        """Per norm group, the squared L2 norm of this owner's *normalised* gradient shard (1-D;
-        inf/nan allowed: the global result then says not finite)."""
-
-    @abc.abstractmethod
-    def apply(self, norms: GlobalNorms) -> None:
-        """Write this owner's updated shards into its window (or skip the update: every rank gets
-        the same ``norms``, so every rank decides the same)."""
 
 
 class StepProtocol:
