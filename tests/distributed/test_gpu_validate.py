@@ -405,8 +405,8 @@ def gpu_ctx(**machine):
 
 
 def test_the_nvshmem_item_is_declared_in_the_second_command_with_its_own_folder_of_wheels():
-    """Before the examples and the two slow checks; only it has the NVSHMEM wheels' folder on PYTHONPATH; a CPU run does not
-    start it; nothing in ds_odc imports nvshmem."""
+    """Before the examples and the two slow checks; only it has the NVSHMEM wheels' folder on PYTHONPATH; a CPU run
+    does not start it; nothing in ds_odc imports nvshmem."""
     from gpu_validation import items
 
     ctx = gpu_ctx()
