@@ -333,6 +333,32 @@ def test_a_rank_killed_on_node1_is_named_by_every_rank_of_both_nodes(hosts, tmp_
     assert {report["host"] for report in reports.values()} == {"node0", "node1"}
 
 
+def test_a_rank_killed_mid_save_on_node1_leaves_latest_naming_the_previous_checkpoint(hosts, tmp_path):
+    """docs/multinode.md: no rank writes ``latest`` before every node's ranks have written their files. A second
+    save in which rank 3 (node 1) dies while writing its optimizer shard (half written): ``latest`` still names the
+    first save's tag, the second save had started, no temporary ``latest`` is left, and every survivor's save ends
+    (raising, naming rank 3, or it would have had to complete every rank's files) within the launch's bound."""
+    out_dir = tmp_path / "crash_mid_save"
+    out_dir.mkdir()
+    port = str(next(_ports))
+    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", "crash_mid_save",
+              str(out_dir)] for i in range(2)]
+    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S)
+    logs = _logs(results)
+    assert not any(result.timed_out for result in results), logs
+    ckpt = out_dir / "ckpt"
+    assert (ckpt / "global_step3").is_dir(), "the second save did not start"
+    assert (ckpt / "latest").read_text() == "global_step2"
+    assert not [name for name in os.listdir(ckpt) if name.startswith(".latest.")]
+    reports = {r: json.loads((out_dir / f"save_rank{r}.json").read_text()) for r in (0, 1, 2)}
+    for r, report in reports.items():
+        assert report["second_save"] != "completed", (r, report)  # rank 3's files were never all written
+        assert "rank 3" in report["second_save"], (r, report)
+        assert report["waited_s"] < 60, (r, report)
+        assert report["shm"] == [], (r, report)
+    assert {report["host"] for report in reports.values()} == {"node0", "node1"}
+
+
 def test_a_dev_shm_too_small_on_one_node_fails_every_rank_of_both_nodes_with_that_node_s_error(hosts, tmp_path):
     """Node 1's /dev/shm holds 16 KiB: its ranks' window allocation is refused there (naming the directory
     and the bytes needed), and node 0's ranks, whose own allocation succeeded, raise the same refusal

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from tests.distributed.test_two_hosts import BIN, SCRIPT, TRAIN_TIMEOUT_S, _logs, _ports, hosts  # noqa: F401
-from tests.support.compare import BF16_GRAD_SLACK, bf16_excess, max_rel_diff, same_bits, worst_rel_diff
+from tests.support.compare import (
+    BF16_GRAD_SLACK,
+    assert_close_nested,
+    bf16_excess,
+    max_rel_diff,
+    same_bits,
+    worst_rel_diff,
+)
 from tests.support.netns import available
 from tests.support.two_host_workloads import MASKED, UNEVEN
 from tests.support.workloads import reference_training
@@ -35,8 +42,9 @@ def cases(hosts, tmp_path_factory):  # noqa: F811 - the module's host pair
     out_dir = tmp_path_factory.mktemp("global_cases")
     names = CASES + (f"global_ckpt:{tmp_path_factory.mktemp('global_ckpt')}",
                      f"budget_ckpt:{tmp_path_factory.mktemp('budget_ckpt')}",
-                     f"interleavings:{tmp_path_factory.mktemp('interleavings')}",
-                     "global_sp_refusal")  # last: its SP mpu stays registered for every later engine
+                     f"interleavings:{tmp_path_factory.mktemp('interleavings')}", "contracts", "deferred_close",
+                     # last: a refused SP engine leaves its mpu registered for every later engine of the process
+                     "global_sp_refusal", "sp_across_nodes")
     port = str(next(_ports))
     argvs = [[os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(i),
               "--master_addr", hosts.master_addr, "--master_port", port, SCRIPT, "cases", ",".join(names),
@@ -242,6 +250,67 @@ def test_what_global_sharding_does_not_support_yet_is_refused_by_name(cases):
         assert result["shm"] == [] and sp["shm"] == [], (result, sp)
 
 
+def test_job_wide_zero3_calls_across_nodes_equal_zero3_on_the_same_4_ranks_in_every_cross_node_mode(cases):
+    """docs/multinode.md: gradient reads between backward and step, ``zero_grad`` between micro-batches and writes
+    through ZeRO-3's collective APIs (``GatheredParameters`` with a modifier rank among them) are job-wide on
+    several nodes. test_zero3_contracts.py's workloads on 2 x 2 ranks (tests/support/contracts_across_nodes.py):
+    under replicate, global and budget, every rank observes what it observes on ZeRO-3 on the same 4 ranks, with
+    the one-node test's bars (summation order differs: pushes against reduce-scatter)."""
+    for result in cases["contracts"]:  # every rank's own observations
+        zero3 = result["zero3"]
+        for mode in ("replicate", "global", "budget"):
+            ours = result[mode]
+            assert_close_nested(ours["reads"], zero3["reads"], rtol=1e-5, atol=1e-6)
+            assert_close_nested(ours["zero_grad"], zero3["zero_grad"], rtol=1e-5, atol=1e-6)
+            # two Adam steps amplify the summation-order differences; the writes move values by > 0.1
+            assert_close_nested(ours["writes"], zero3["writes"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_sequence_parallel_group_spanning_nodes_is_refused_by_name_on_every_rank(cases):
+    """sp_size 4 on 2 x 2 ranks under the default cross_node (replicate): the one SP group spans both nodes, and
+    every rank's initialize raises naming the group and the ranks that are not on its node (docs/sequence_parallel.md);
+    nothing is left in either /dev/shm. It runs after global_sp_refusal, whose refused engine left its SP mpu
+    registered in DeepSpeed (as this one does: hence both last in the job)."""
+    for rank, result in enumerate(cases["sp_across_nodes"]):
+        assert result["sp_size"] == 4 and result["mpu_left"], result
+        assert result["sequence_parallel"] is not None, "an SP group spanning nodes was not refused"
+        error, message = result["sequence_parallel"]
+        other = "2, 3" if rank < 2 else "0, 1"
+        assert error == "ODCError", (rank, error, message)
+        assert f"sequence-parallel group 0 (ranks 0, 1, 2, 3) spans nodes (ranks {other} are not on this rank's " \
+               "node)" in message, (rank, message)
+        assert result["shm"] == [], (rank, result)
+
+
+def test_a_closed_rank_keeps_serving_its_window_to_peers_on_other_nodes_until_they_have_closed(cases):
+    """docs/multinode.md: a rank that closes while peers on other nodes may still read its window keeps it mapped
+    until they have closed too. A frozen engine under global sharding; rank 3 (node 1) destroys its engine, rank 0
+    (node 0) then runs 3 more forwards, pulling a quarter of every parameter from rank 3: each reads exactly the
+    bytes it read before the destroy and gives the same output. Rank 3, after its destroy returned: its server
+    thread still runs and it still maps its node's segments (their files were unlinked at start-up: /dev/shm is
+    empty throughout; what is kept is the mapping, "(deleted)" in /proc/self/maps), and it served rank 0's reads;
+    once rank 0 closed, the thread has ended and the segments are unmapped. Both /dev/shm empty at the end."""
+    results = cases["deferred_close"]
+    reader, closer = results[0], results[3]
+    assert reader["mode"] == closer["mode"] == "global", (reader["mode"], closer["mode"])
+    assert len(reader["outputs"]) == 3 and all(torch.equal(out, reader["first"]) for out in reader["outputs"])
+    before, after = reader["pulled_before"], reader["pulled_after"]
+    assert before and len(after) == 3 * len(before), (len(before), len(after))  # every forward pulled from rank 3
+    for index, piece in enumerate(after):
+        assert torch.equal(piece, before[index % len(before)]), index
+    mine = closer["mine"]
+    assert any(name.endswith("_params (deleted)") for name in mine), mine  # its window among them
+    for state in ("after_destroy", "after_reads"):
+        assert closer[state]["serving"] and closer[state]["mapped"] == mine, (state, closer[state])
+    assert closer["after_destroy"]["served"] == 0, closer["after_destroy"]  # nobody pulled during its destroy
+    assert closer["after_reads"]["served"] == len(after), closer["after_reads"]  # rank 0's reads, served after it
+    done = closer["after_all_closed"]
+    assert not done["serving"] and done["mapped"] == [], done
+    for rank, result in enumerate(results):
+        assert result["shm"] == [], (rank, result)
+    assert all(closer[state]["shm"] == [] for state in ("after_destroy", "after_reads", "after_all_closed"))
+
+
 #: the failure cases run under global sharding and under the budget (budget_workloads.BUDGET: every layer but
 #: out.weight replicated per node, out.weight global), whose step runs BudgetLink's list-form collectives. By
 #: default the budget runs only where its paths differ from global's (a kill as the victim enters the replicated
@@ -266,6 +335,15 @@ def _reports(out_dir, name, ranks, logs) -> dict:
     return {r: json.loads((out_dir / f"{name}_rank{r}.json").read_text()) for r in ranks}
 
 
+#: "every survivor raises naming it within a second" (a kill inside the budget's step): 1 s, with slack for a loaded
+#: 2-core machine running another test beside it (measured 0.05 to 0.12 s after the kill, 2026-12-08)
+KILL_IN_STEP_BOUND_S = 3.0
+#: a cut network: "every rank of both nodes raises within about 2·timeout_s" (timeout_s 5 in the failure cases;
+#: measured 10.03 to 10.04 s, the two bounded waits themselves, 2026-12-08), plus slack for a loaded machine
+CUT_TIMEOUT_S = 5.0
+CUT_BOUND_S = 2 * CUT_TIMEOUT_S + 5.0
+
+
 @pytest.mark.parametrize("case", [f"{mode}_kill_{where}" for mode in FAILURE_MODES
                                   for where in ("forward", "backward", "step")] + ["budget_kill_sum",
                                                                                   "budget_kill_gather"])
@@ -275,7 +353,8 @@ def test_a_remote_owner_killed_mid_pull_mid_push_or_at_the_step_is_named_by_ever
     fail), or after its backward, right before ``engine.step()`` (the others are in the step's rounds and the
     cross-node collectives: under the budget, the replicated layers' reduce-scatter and all-gather). Every
     survivor, on both nodes, raises naming rank 3 within seconds, and both /dev/shm are empty after
-    engine.destroy()."""
+    engine.destroy(). Killed inside the step under the budget (sum, gather), docs/multinode.md promises "within a
+    second" of the kill: asserted below KILL_IN_STEP_BOUND_S (measured 0.05 to 0.12 s on 2 cores)."""
     where = case.rsplit("_", 1)[1]
     out_dir, procs = _launch_failure(hosts, tmp_path, case)
     results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
@@ -286,6 +365,8 @@ def test_a_remote_owner_killed_mid_pull_mid_push_or_at_the_step_is_named_by_ever
         assert report["error"] in ("ODCPeerError", "ODCGroupFailedError"), (r, report, logs)
         assert "rank 3" in report["message"], (r, report)
         assert report["waited_s"] < 20, (r, report)
+        if where in ("sum", "gather"):  # from the victim's clock as it died (CLOCK_MONOTONIC: one for both hosts)
+            assert 0 < report["after_kill_s"] < KILL_IN_STEP_BOUND_S, (r, report)
         assert report["shm"] == [], (r, report)
     assert {report["host"] for report in reports.values()} == {"node0", "node1"}
 
@@ -321,8 +402,8 @@ def test_a_stalled_remote_owner_is_named_by_every_rank_within_the_bound(hosts, t
 @pytest.mark.parametrize("case", [f"{mode}_cut" for mode in FAILURE_MODES])
 def test_a_cut_network_between_nodes_fails_every_rank_within_the_bound(hosts, tmp_path, case):  # noqa: F811
     """After step 0 the veth between the hosts goes down: step 1's pulls across nodes never complete. Every rank
-    of both nodes raises within a bound set by timeout_s (5 s), naming a rank of the other node or the store it
-    cannot reach, and leaves its node's /dev/shm empty. The link is brought back up for the next test."""
+    of both nodes raises within about 2·timeout_s (timeout_s 5: CUT_BOUND_S), naming a rank of the other node
+    (docs/multinode.md), and leaves its node's /dev/shm empty. The link is brought back up for the next test."""
     import subprocess
     import time
 
@@ -342,8 +423,8 @@ def test_a_cut_network_between_nodes_fails_every_rank_within_the_bound(hosts, tm
     for r, report in reports.items():
         assert report["error"] in ("ODCPeerError", "ODCTimeoutError", "ODCGroupFailedError"), (r, report, logs)
         other = (2, 3) if r < 2 else (0, 1)
-        assert any(f"rank {o}" in report["message"] for o in other) or "store" in report["message"], (r, report)
-        assert report["waited_s"] < 40, (r, report)
+        assert any(f"rank {o}" in report["message"] for o in other), (r, report)
+        assert report["waited_s"] < CUT_BOUND_S, (r, report)
         assert report["shm"] == [], (r, report)
 
 

@@ -79,10 +79,11 @@ def gradient_reads_before_step(stage, counts, zero_options=None):
     return seen
 
 
-def zero_grad_between_backward_and_step(stage, backward_after: bool):
+def zero_grad_between_backward_and_step(stage, backward_after: bool, odc=None):
     """Two micro-batches, ``optimizer.zero_grad()`` (every rank), then two more (or none) and the step.
-    SGD without clipping: the update shows the gradient itself (Adam's first step hides its size)."""
-    engine = _engine(stage, optimizer="sgd", clip=0.0)
+    SGD without clipping: the update shows the gradient itself (Adam's first step hides its size). ``odc``: the
+    odc stage's options (e.g. a cross_node mode), ignored on ZeRO-3."""
+    engine = _engine(stage, optimizer="sgd", clip=0.0, **({"odc": odc} if odc else {}))
     for index in range(MICRO_BATCHES):
         _backward(engine, 0, index)
     engine.optimizer.zero_grad()
@@ -95,12 +96,12 @@ def zero_grad_between_backward_and_step(stage, backward_after: bool):
     return params
 
 
-def collective_writes(stage):
+def collective_writes(stage, odc=None):
     """Writes through ZeRO-3's collective APIs between steps: a gradient set before the step, an
     fp32 master weight set after it, a parameter rewritten under GatheredParameters(modifier_rank=0);
-    the forward and the step after each see them."""
+    the forward and the step after each see them. ``odc``: as above."""
     # even sizes: ZeRO-3's safe_set_full_* cut the last rank's slice past an odd parameter's end
-    engine = _engine(stage, hidden=8)
+    engine = _engine(stage, hidden=8, **({"odc": odc} if odc else {}))
     module = engine.module
     for index in range(MICRO_BATCHES):
         _backward(engine, 0, index)

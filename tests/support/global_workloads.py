@@ -177,6 +177,106 @@ def sp_refusal() -> dict:
             "shm": sorted(os.listdir(SHM))}
 
 
+def sp_across_nodes() -> dict:
+    """An SP group spanning both nodes (``sequence_parallel_size`` 4 on 2 x 2 ranks, under the default cross_node,
+    replicate: global and budget refuse SP whatever its groups, :func:`sp_refusal`) is refused at initialize on
+    every rank, naming the group and the ranks not on its node. Last in its process, after :func:`sp_refusal`: a
+    refused engine leaves its SP mpu registered in DeepSpeed (``mpu_left``: DeepSpeed sets it before the optimizer is
+    built, where the refusal is), and ALST's mpu builds its groups once per process, so they are dropped first."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from deepspeed.utils import groups
+
+    from tests.support import sp_workloads
+
+    left = groups.mpu is parallel_state_sp and parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None
+    parallel_state_sp._SEQUENCE_PARALLEL_GROUP = parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP = None
+    model = sp_workloads.tiny_llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
+                                                           sequence_parallel_size=4, micro_batch_size=1)
+    refused = _refused(lambda: deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=sp_workloads.ds_config("odc"), mpu=mpu))
+    return {"sequence_parallel": refused, "mpu_left": left, "sp_size": mpu.get_sequence_parallel_world_size(),
+            "shm": sorted(os.listdir(SHM))}
+
+
+def _mapped_segments() -> set:
+    """The shared-memory segments this process maps now: their files are unlinked once every rank of the node
+    mapped them (/dev/shm no longer lists them), so what lives on is the mapping, "(deleted)" in /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        return {line.split(None, 5)[5].strip() for line in maps if f"{SHM}/ds_odc_" in line}
+
+
+def deferred_close(closer: int = 3, reader: int = 0, forwards: int = 3) -> dict:
+    """docs/multinode.md: "a rank that closes while peers on other nodes may still read its window keeps it mapped
+    until they have closed too". A frozen engine under global sharding (every parameter pulled on demand, a quarter
+    of each from rank ``closer``, node 1); every rank runs one forward, then every rank but ``reader`` (node 0)
+    destroys its engine. Once ``closer``'s ``destroy()`` has returned (a message of the default group says so:
+    not a barrier the destroy could wait on), ``reader`` runs ``forwards`` more forwards, pulling from ``closer``
+    and rank 2, both destroyed, then tells ``closer`` and, once ``closer`` has looked, destroys its own engine.
+    On ``reader``: the outputs and the pieces read from ``closer``, before and after. On ``closer``: whether its
+    server thread still ran, how many reads it served and which of its segments (its windows and its node peer's)
+    it still mapped, right after its destroy, after ``reader``'s forwards, and once ``reader`` closed (a bounded
+    wait); every rank: its /dev/shm at the end."""
+    from tests.support.frozen_workloads import frozen_config
+
+    rank = tdist.get_rank()
+    before = _mapped_segments()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=frozen_config("odc", **GLOBAL))
+    runtime = _runtime(engine)
+    remote = runtime.remote
+    from_closer: list = []
+    read_many = remote.read_many
+
+    def recording_read_many(reads, *args, **kwargs):
+        done = read_many(reads, *args, **kwargs)
+        from_closer.extend(t.tensor.clone() for t in reads if t.owner == closer)
+        return done
+
+    remote.read_many = recording_read_many
+    x, _, _ = micro_batch(0, 0, 0)
+    with torch.no_grad():
+        first = engine(x).clone()
+    result: dict = {"mode": runtime.cross_node.mode, "mine": sorted(_mapped_segments() - before)}
+    mine = set(result["mine"])
+    tdist.barrier()  # every rank has opened its engine and pulled once
+
+    def closer_state(served_from: int) -> dict:
+        return {"serving": remote.serving, "served": remote.served_reads - served_from,
+                "mapped": sorted(mine & _mapped_segments()), "shm": sorted(os.listdir(SHM))}
+
+    flag = torch.zeros(1)
+    if rank == closer:
+        served = remote.served_reads
+        start = time.monotonic()
+        engine.destroy()
+        result["destroy_s"] = time.monotonic() - start
+        result["after_destroy"] = closer_state(served)
+        tdist.send(flag, reader)
+        tdist.recv(flag, reader)  # the reader has pulled, and waits to close until this is recorded
+        result["after_reads"] = closer_state(served)
+        tdist.send(flag, reader)
+        end = time.monotonic() + 30
+        while (remote.serving or mine & _mapped_segments()) and time.monotonic() < end:
+            time.sleep(0.02)
+        result["after_all_closed"] = closer_state(served)
+    elif rank == reader:
+        pulled_before = list(from_closer)
+        tdist.recv(flag, closer)
+        from_closer.clear()
+        with torch.no_grad():
+            outputs = [engine(x).clone() for _ in range(forwards)]
+        result.update(first=first, outputs=outputs, pulled_before=pulled_before, pulled_after=list(from_closer))
+        tdist.send(flag, closer)
+        tdist.recv(flag, closer)  # its state recorded: this rank's close (its STOP) would end that server
+        engine.destroy()
+    else:
+        engine.destroy()
+    tdist.barrier()
+    result["shm"] = sorted(os.listdir(SHM))
+    return result
+
+
 def frozen(counts, stage, options=None) -> dict:
     """A frozen engine (no optimizer), ``counts[rank]`` forwards of the same inputs on each rank; on the odc stage
     with ``options`` (default: global sharding)."""
@@ -217,43 +317,56 @@ def killed(out_dir: str, victim: int, where: str, odc: dict = GLOBAL) -> None:
     ``engine.step()``, so that the others are in the step's fence and its counts' gather when it dies; "sum" /
     "gather": inside the step, as it enters the link's gradient sum / window gather, so that its partner on the
     other node is inside that collective: under the budget BudgetLink's list-form reduce-scatter / all-gather);
-    every other rank reports the error it raised, how long after the kill it waited, and its node's /dev/shm
-    after ``engine.destroy()``. ``odc``: the cross_node options (global sharding, or a budget)."""
-    import signal
-
+    every other rank reports the error it raised, how long it waited from the start of step 1 (``waited_s``) and
+    from the kill (``after_kill_s``: the victim writes its clock, CLOCK_MONOTONIC, one clock for both hosts, to
+    ``killed_at`` as it dies), and its node's /dev/shm after ``engine.destroy()``. ``odc``: the cross_node options
+    (global sharding, or a budget)."""
     rank = tdist.get_rank()
     engine = _engine_after_step_zero(timeout_s=60, odc=odc)
     x, y, _ = micro_batch(1, rank, 0)
     if rank == victim and where in ("sum", "gather"):
-        _die_entering(_runtime(engine).link, "reduce_gradients" if where == "sum" else "gather_windows")
+        _die_entering(_runtime(engine).link, "reduce_gradients" if where == "sum" else "gather_windows", out_dir)
     if rank == victim and where == "forward":
-        os.kill(os.getpid(), signal.SIGKILL)
+        _die(out_dir)
     start = time.monotonic()
     result: dict = {"error": None}
     try:
         loss = mse_mean(engine(x), y)
         if rank == victim and where == "backward":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(out_dir)
         engine.backward(loss)
         if rank == victim and where == "step":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(out_dir)
         engine.step()
     except Exception as err:  # noqa: BLE001 - the error is the result
-        result = {"error": type(err).__name__, "message": str(err), "waited_s": time.monotonic() - start}
+        raised = time.monotonic()
+        result = {"error": type(err).__name__, "message": str(err), "waited_s": raised - start}
+        killed_at = os.path.join(out_dir, "killed_at")
+        if os.path.exists(killed_at):
+            with open(killed_at) as stamp:
+                result["after_kill_s"] = raised - float(stamp.read())
     result = _destroyed(engine, result)
     _report(out_dir, where, result, [r for r in range(tdist.get_world_size()) if r != victim])
     os._exit(0)
 
 
-def _die_entering(link, method: str) -> None:
+def _die(out_dir: str) -> None:
+    """SIGKILL this rank, first writing the time (CLOCK_MONOTONIC, the same on both hosts) to ``killed_at``."""
+    import signal
+
+    with open(os.path.join(out_dir, "killed_at.tmp"), "w") as stamp:
+        stamp.write(repr(time.monotonic()))
+    os.replace(os.path.join(out_dir, "killed_at.tmp"), os.path.join(out_dir, "killed_at"))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_entering(link, method: str, out_dir: str) -> None:
     """SIGKILL this rank as it enters its cross-node link's ``method`` inside the step: killed before
     ``engine.step()``, it is found at the fence and its counts' gather, and the survivors never reach the step's
     later collectives (under the budget, the replicated layers' reduce-scatter and all-gather); killed here,
     its partner on the other node is inside that very collective when it dies."""
-    import signal
-
     def die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
+        _die(out_dir)
 
     setattr(link, method, die)
 

@@ -192,6 +192,7 @@ def cases(names, out_dir):
     from tests.support import (
         budget_workloads,
         checkpoint_workloads,
+        contracts_across_nodes,
         deterministic_workloads,
         global_workloads,
         interleaving_workloads,
@@ -219,6 +220,8 @@ def cases(names, out_dir):
         elif name.startswith("ckpt_load:"):
             _, ckpt_dir, tag = name.split(":")
             result = checkpoint_workloads.load_and_continue(ckpt_dir, tag)
+        elif name == "crash_mid_save":
+            killed_mid_save(out_dir)  # ends the process
         elif name == "kill":
             killed_on_node1(out_dir)  # ends the process
         elif name == "small_shm":
@@ -254,6 +257,10 @@ def cases(names, out_dir):
             result = global_workloads.delayed(UNEVEN["uneven_unmanaged"])
         elif name.startswith("interleavings:"):
             result = interleaving_workloads.across_nodes(name.split(":", 1)[1])
+        elif name == "contracts":
+            result = contracts_across_nodes.job_wide_calls()
+        elif name in ("sp_across_nodes", "deferred_close"):
+            result = getattr(global_workloads, name)()
         elif name in ("global_traffic", "global_memory", "global_refusals", "global_auto", "global_sp_refusal"):
             result = getattr(global_workloads, name[len("global_"):])()
         else:
@@ -332,6 +339,26 @@ def initialize_outcome():
         result.update(error=type(err).__name__, message=str(err))
     result["shm"] = sorted(os.listdir(SHM))
     return result
+
+
+def killed_mid_save(out_dir, victim=3):
+    """A checkpoint saved whole (tag global_step2), a step, then a second save in which rank ``victim`` (node 1)
+    dies (SIGKILL) while writing its optimizer shard, half of it written (checkpoint_workloads.save_then_crash_mid_save,
+    the one-node test's workload). Every survivor reports how its save ended, how long it took and its node's
+    /dev/shm after ``engine.destroy()``; the test then reads ``latest``. Ends the process once every survivor has
+    reported (rank 0's holds the job's store)."""
+    import torch.distributed as tdist
+
+    from tests.support.checkpoint_workloads import save_then_crash_mid_save
+
+    rank = tdist.get_rank()
+    start = time.monotonic()
+    outcome = save_then_crash_mid_save(os.path.join(out_dir, "ckpt"), victim)
+    report = {"second_save": outcome["second_save"], "waited_s": time.monotonic() - start,
+              "shm": sorted(os.listdir(SHM)), "host": socket.gethostname()}
+    _write(os.path.join(out_dir, f"save_rank{rank}.json"), report)
+    _wait_for([os.path.join(out_dir, f"save_rank{r}.json") for r in range(4) if r != victim], 60)
+    os._exit(0)
 
 
 def killed_on_node1(out_dir, victim=3):
