@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from tests.support import tiny_models
 from tests.support.combination_jobs import NEW_TOKENS, Job, StepLayout, expected_refusal, judged_against_zero3
 
 VOCAB, IGNORE = 61, -100
@@ -54,13 +55,8 @@ TOKEN_MARGIN = {"fp32": 1e-3, "bf16": 0.25}
 
 
 def tiny_llama(seed: int = MODEL_SEED):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attn_implementation="sdpa", tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(VOCAB, seed, intermediate=48, max_positions=128, attn_implementation="sdpa",
+                                  tie_word_embeddings=False)
 
 
 # -- the data -----------------------------------------------------------------------------------------------------

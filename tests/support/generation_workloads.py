@@ -10,6 +10,7 @@ import deepspeed
 import torch
 import torch.distributed as tdist
 
+from tests.support import tiny_models
 from tests.support.frozen_workloads import RELEASED
 from tests.support.workloads import ds_config
 
@@ -19,12 +20,7 @@ NEW_TOKENS = (3, 24)
 
 
 def llama(seed: int = 11):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    return LlamaForCausalLM(config).eval()
+    return tiny_models.tiny_llama(VOCAB, seed, kv_heads=4).eval()
 
 
 def prompt(rank: int) -> torch.Tensor:

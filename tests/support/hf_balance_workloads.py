@@ -11,16 +11,14 @@ import os
 
 import torch
 
+from tests.support import tiny_models
+
 VOCAB = 96
 MAX_LEN = 48
 
 
 def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return tiny_models.tiny_llama_config(VOCAB, tie_word_embeddings=False)
 
 
 def long_tailed_lengths(size: int, seed: int) -> list[int]:

@@ -9,16 +9,14 @@ import os
 
 import torch
 
+from tests.support import tiny_models
+
 SEQ = 16
 VOCAB = 128
 
 
 def tiny_llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                       tie_word_embeddings=False)
+    return tiny_models.tiny_llama_config(VOCAB, max_positions=2 * SEQ, tie_word_embeddings=False)
 
 
 class CountingDataset(torch.utils.data.Dataset):

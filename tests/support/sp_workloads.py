@@ -16,19 +16,16 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
+from tests.support import tiny_models
+
 SP = 2
 VOCAB = 61
 IGNORE = -100
 
 
 def tiny_llama(seed: int = 7):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attn_implementation="sdpa", tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(VOCAB, seed, intermediate=48, max_positions=128, attn_implementation="sdpa",
+                                  tie_word_embeddings=False)
 
 
 def sequence(step: int, group: int, index: int, length: int = 16):
