@@ -54,9 +54,8 @@ A function's source is cut from its file by the line numbers of its code object 
 ``inspect.getsource`` tokenises each block and costs ~35 ms for these functions. A text match can be
 fooled by a comment; a release installed without ``.py`` sources reports every source check missing.
 
-Cost at import: 12-26 ms, median 19 ms, over 9 fresh interpreters (``time.perf_counter`` around the
-call inside ``import ds_odc``, which took 4-6 s; a shared 2-core CPU machine at load 5); ~5 ms when
-called again. It imports DeepSpeed's SuperOffload stage 3, which ``ds_odc.engine`` imports next anyway.
+Its cost at ``import ds_odc`` (tens of milliseconds) is measured in docs/benchmarks.md ("The private-name check
+at import"). It imports DeepSpeed's SuperOffload stage 3, which ``ds_odc.engine`` imports next anyway.
 
 accelerate / transformers entries are checked only by ``check_surface(include_hf=True)``, and only for
 the packages installed (found with ``importlib.util.find_spec``, which imports nothing): ``import
