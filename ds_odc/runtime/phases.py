@@ -1,6 +1,16 @@
 """The step protocol's state machine: its phases, the events that move it, and every transition allowed.
 
-One table (:data:`TRANSITIONS`) is the whole machine (drawn in :mod:`ds_odc.runtime.step`'s docstring);
+One table (:data:`TRANSITIONS`) is the whole machine, driven by :class:`~ds_odc.runtime.step.StepProtocol`::
+
+    IDLE --pull--> IDLE            ACCUMULATING --pull/push--> ACCUMULATING
+    IDLE --push--> ACCUMULATING
+    IDLE | ACCUMULATING --begin_step--> FENCING --fenced--> NORMING --normed--> UPDATING
+        --updated--> PUBLISHING --published--> IDLE
+    IDLE | ACCUMULATING --meet--> (unchanged)        a round outside a step (windows rewritten, barrier,
+                                                     gradient fence)
+    IDLE | ACCUMULATING --discard--> IDLE            optimizer.zero_grad outside a step
+    any --fail--> FAILED (final)   any --close--> CLOSED (final)
+
 :class:`StepStateMachine` refuses anything not in it, naming the event, the phase and a hint. Tests assert
 phases through it; nothing else changes a phase.
 """

@@ -90,4 +90,9 @@ def activity_text(activity: int, step: int, count: int) -> str:
     return template.format(step=step, count=count)
 
 
+#: The rounds outside a step that read or write a window, and which one (a round needing a window that is away,
+#: after ``engine.offload_states()``, is refused naming the call).
+WINDOWS_NEEDED = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
+                  RoundKind.GRADIENT_NORM: {"grads"}}
+
 PROTOCOL_WORDING = Wording(round_name=round_name, activity=activity_text)

@@ -1,16 +1,8 @@
 """The step protocol: the one owner of everything ranks do together.
 
 ODC ranks meet only here. One :class:`StepProtocol` per engine drives the whole optimizer step
-through typed rendezvous rounds, with an explicit, guarded state machine::
-
-    IDLE --pull--> IDLE            ACCUMULATING --pull/push--> ACCUMULATING
-    IDLE --push--> ACCUMULATING
-    IDLE | ACCUMULATING --begin_step--> FENCING --fenced--> NORMING --normed--> UPDATING
-        --updated--> PUBLISHING --published--> IDLE
-    IDLE | ACCUMULATING --meet--> (unchanged)        a round outside a step (windows rewritten, barrier,
-                                                     gradient fence)
-    IDLE | ACCUMULATING --discard--> IDLE            optimizer.zero_grad outside a step
-    any --fail--> FAILED (final)   any --close--> CLOSED (final)
+through typed rendezvous rounds, with an explicit, guarded state machine (drawn in
+:mod:`ds_odc.runtime.phases`, with its one transition table).
 
 Rounds of step ``s`` (each carries ``s``, its kind and its length, checked on every rank):
 
@@ -76,12 +68,8 @@ from ds_odc.runtime.gradient_reads import GradientSnapshot
 from ds_odc.runtime.ledger import MicroBatchLedger, StepTotals
 from ds_odc.runtime.phases import WHERE, Event, Phase, StepStateMachine
 from ds_odc.runtime.residency import Residency
-from ds_odc.runtime.round_kinds import Activity, RoundKind
+from ds_odc.runtime.round_kinds import WINDOWS_NEEDED, Activity, RoundKind
 from ds_odc.runtime.step_update import GlobalNorms, StepUpdate
-
-#: The rounds outside a step that read or write a window, and which one.
-_ROUND_NEEDS = {RoundKind.WINDOWS_REWRITTEN: {"params"}, RoundKind.GRADIENT_FENCE: {"grads"},
-                RoundKind.GRADIENT_NORM: {"grads"}}
 
 
 class StepProtocol:
@@ -187,7 +175,7 @@ class StepProtocol:
         every rank contributes (``values``); returns the node's rows."""
         self._usable()
         self._open()
-        self._require(_ROUND_NEEDS.get(kind, set()), what or kind.text)
+        self._require(WINDOWS_NEEDED.get(kind, set()), what or kind.text)
         self.machine.advance(Event.MEET)
         previous = self._activity or Activity.IDLE
         with self.failing_group(what or kind.text):
