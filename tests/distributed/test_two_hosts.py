@@ -311,18 +311,31 @@ def test_checkpoint_moves_between_topologies_through_the_universal_checkpoint(ca
             assert got[step][slot] == pytest.approx(loss, rel=RESHARD_TOLERANCE), (step, slot)
 
 
+def _launch_failure(hosts, tmp_path, case):
+    """Start the failure case ``case`` (two_host_workloads.cases) on both hosts, 2 ranks each, by the launcher that
+    leaves the survivors to find out (two_host_workloads.ranks: torchrun would stop them itself); its reports go
+    to the returned folder."""
+    out_dir = tmp_path / case
+    out_dir.mkdir()
+    port = str(next(_ports))
+    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", case,
+              str(out_dir)] for i in range(2)]
+    return out_dir, hosts.start_on_both(argvs)
+
+
+def _run_failure(hosts, tmp_path, case):
+    """:func:`_launch_failure`, then wait for both hosts: neither may reach the launch's bound."""
+    out_dir, procs = _launch_failure(hosts, tmp_path, case)
+    results = hosts.wait(procs, timeout=TRAIN_TIMEOUT_S)
+    assert not any(result.timed_out for result in results), _logs(results)
+    return out_dir
+
+
 def test_a_rank_killed_on_node1_is_named_by_every_rank_of_both_nodes(hosts, tmp_path):
     """Rank 3 is SIGKILLed in a forward; ranks are started by a launcher that leaves the survivors to
     find out (torchrun would stop them itself). Every survivor's step raises naming rank 3 within
     seconds, and both hosts' /dev/shm are empty after engine.destroy()."""
-    out_dir = tmp_path / "kill"
-    out_dir.mkdir()
-    port = str(next(_ports))
-    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", "kill",
-              str(out_dir)] for i in range(2)]
-    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S)
-    logs = _logs(results)
-    assert not any(result.timed_out for result in results), logs
+    out_dir = _run_failure(hosts, tmp_path, "kill")
     reports = {r: json.loads((out_dir / f"kill_rank{r}.json").read_text()) for r in (0, 1, 2)}
     for r, report in reports.items():
         assert report["error"] == "ODCPeerError", (r, report)
@@ -338,14 +351,7 @@ def test_a_rank_killed_mid_save_on_node1_leaves_latest_naming_the_previous_check
     save in which rank 3 (node 1) dies while writing its optimizer shard (half written): ``latest`` still names the
     first save's tag, the second save had started, no temporary ``latest`` is left, and every survivor's save ends
     (raising, naming rank 3, or it would have had to complete every rank's files) within the launch's bound."""
-    out_dir = tmp_path / "crash_mid_save"
-    out_dir.mkdir()
-    port = str(next(_ports))
-    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", "crash_mid_save",
-              str(out_dir)] for i in range(2)]
-    results = hosts.run_on_both(argvs, timeout=TRAIN_TIMEOUT_S)
-    logs = _logs(results)
-    assert not any(result.timed_out for result in results), logs
+    out_dir = _run_failure(hosts, tmp_path, "crash_mid_save")
     ckpt = out_dir / "ckpt"
     assert (ckpt / "global_step3").is_dir(), "the second save did not start"
     assert (ckpt / "latest").read_text() == "global_step2"

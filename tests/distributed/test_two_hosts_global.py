@@ -6,12 +6,19 @@ One torchrun job runs every training case in turn (start-up is most of a case's 
 are launches of their own, by a launcher that leaves the survivors to find out."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-from tests.distributed.test_two_hosts import BIN, SCRIPT, TRAIN_TIMEOUT_S, _logs, _ports, hosts  # noqa: F401
+from tests.distributed.test_two_hosts import (  # noqa: F401 - hosts: the module's host pair fixture
+    BIN,
+    SCRIPT,
+    TRAIN_TIMEOUT_S,
+    _launch_failure,
+    _logs,
+    _ports,
+    hosts,
+)
 from tests.support.compare import (
     BF16_GRAD_SLACK,
     assert_close_nested,
@@ -319,15 +326,6 @@ def test_a_closed_rank_keeps_serving_its_window_to_peers_on_other_nodes_until_th
 #: runs every case under both (measured 2026-11-29: all pass, 13 launches, about 10 more minutes).
 EVERY_MODE = os.environ.get("ODC_TWO_HOSTS_EVERY_MODE") == "1"
 FAILURE_MODES = ("global", "budget") if EVERY_MODE else ("global",)
-
-
-def _launch_failure(hosts, tmp_path, case):  # noqa: F811
-    out_dir = tmp_path / case
-    out_dir.mkdir()
-    port = str(next(_ports))
-    argvs = [[sys.executable, SCRIPT, "ranks", str(i), "2", "4", hosts.master_addr, port, "cases", case,
-              str(out_dir)] for i in range(2)]
-    return out_dir, hosts.start_on_both(argvs)
 
 
 def _reports(out_dir, name, ranks, logs) -> dict:
